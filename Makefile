@@ -1,0 +1,38 @@
+# Two commands on a fresh machine:  make up   (the product, embedded default)
+#                                   make test (the suite, on PostgreSQL + Redis, then SQLite)
+PYTHON ?= $(shell scripts/find-python)
+VENV   := .venv
+BIN    := $(VENV)/bin
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: install up test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+up: install
+	$(BIN)/python manage.py migrate --noinput -v0
+	$(BIN)/python manage.py collectstatic --noinput -v0
+	$(BIN)/python manage.py ensure_admin
+	$(BIN)/python manage.py seed_demo
+	$(BIN)/honcho start -f Procfile
+
+test: install
+	scripts/test
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: install
+	$(BIN)/python -m bench.checkpoint
+
+clean:
+	rm -rf var test-artifacts

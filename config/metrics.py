@@ -1,0 +1,209 @@
+"""``/metrics`` in the Prometheus text format, for scrapers.
+
+Workers export their metrics over OTLP as they happen; a scraper of the web process would
+see none of them, since each process keeps its own. So this endpoint reads the truth that
+every process shares, the database: the current state of runs, effects and approvals as
+gauges, and the last window of the event timeline (commits, their latency, failures,
+recoveries and their time, work lost) as windowed figures, all computed at scrape time.
+
+Access: open to whoever can reach it (keep it on the internal network) unless
+``DURABILITY_METRICS_TOKEN`` is set, in which case a scraper sends
+``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import timedelta
+
+import orjson
+from django.conf import settings
+from django.db import connection
+from django.db.models import Count, Min
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def _quantiles(values: list[float]) -> dict[float, float]:
+    # The SLO page's definition (percentile_cont), so both show the same figures.
+    from durability.slo import percentile
+
+    return {q: percentile(values, q) for q in QUANTILES} if values else {}
+
+
+class DurabilityCollector:
+    def __init__(self, window_seconds: float) -> None:
+        self.window = window_seconds
+
+    def collect(self):
+        from durability.models import (
+            Approval,
+            ApprovalStatus,
+            Effect,
+            EffectStatus,
+            Event,
+            EventKind,
+            Run,
+        )
+
+        runs = GaugeMetricFamily(
+            "durability_runs", "Runs by agent and status", labels=["agent", "status"]
+        )
+        for row in Run.objects.values("agent", "status").annotate(n=Count("id")):
+            runs.add_metric([row["agent"], row["status"]], row["n"])
+        yield runs
+
+        yield GaugeMetricFamily(
+            "durability_effects_in_doubt",
+            "Effects whose outcome is unknown, waiting for an operator",
+            value=Effect.objects.filter(status=EffectStatus.IN_DOUBT).count(),
+        )
+        pending = Approval.objects.filter(status=ApprovalStatus.PENDING).aggregate(
+            n=Count("id"), oldest=Min("requested_at")
+        )
+        yield GaugeMetricFamily(
+            "durability_approvals_pending",
+            "Approvals waiting for a decision",
+            value=pending["n"],
+        )
+        oldest = pending["oldest"]
+        yield GaugeMetricFamily(
+            "durability_approval_oldest_wait_seconds",
+            "How long the oldest pending approval has waited",
+            value=(timezone.now() - oldest).total_seconds() if oldest else 0.0,
+        )
+
+        since = timezone.now() - timedelta(seconds=self.window)
+        label = [f"{int(self.window)}s"]
+        commits, latency_quantiles = _commit_figures(since)
+        # Failures and recoveries are rare rows: read them whole.
+        rows = Event.objects.filter(
+            created_at__gte=since, kind__in=(EventKind.COMMIT_FAILED, EventKind.RECOVERED)
+        ).values_list("kind", "data")
+        failures = 0
+        recoveries, work_lost = [], []
+        for kind, data in rows:
+            if kind == EventKind.COMMIT_FAILED and data:
+                failures += int(orjson.loads(data).get("failed_commits", 1))
+            elif kind == EventKind.RECOVERED and data:
+                figures = orjson.loads(data)
+                if figures.get("recovery_ms") is not None:
+                    recoveries.append(figures["recovery_ms"] / 1000)
+                if figures.get("work_lost_ms") is not None:
+                    work_lost.append(figures["work_lost_ms"] / 1000)
+
+        yield _windowed(
+            "durability_checkpoint_commits_window",
+            "Checkpoints committed in the window",
+            label,
+            commits,
+        )
+        yield _windowed(
+            "durability_checkpoint_commit_failures_window",
+            "Checkpoint commits that failed in the window",
+            label,
+            failures,
+        )
+        yield _windowed(
+            "durability_checkpoint_commit_success_ratio_window",
+            "Share of checkpoint commits that succeeded at their first attempt",
+            label,
+            commits / (commits + failures) if commits + failures else 1.0,
+        )
+        for name, help_text, quantiles in (
+            (
+                "durability_checkpoint_commit_seconds",
+                "Checkpoint commit latency",
+                latency_quantiles,
+            ),
+            (
+                "durability_recovery_seconds",
+                "Recovery time (lost lease to resumed)",
+                _quantiles(recoveries),
+            ),
+            ("durability_work_lost_seconds", "Work lost per recovery", _quantiles(work_lost)),
+        ):
+            family = GaugeMetricFamily(
+                name, f"{help_text}, quantiles over the window", labels=["window", "quantile"]
+            )
+            for q, value in quantiles.items():
+                family.add_metric([*label, str(q)], value)
+            yield family
+        yield _windowed(
+            "durability_recoveries_window",
+            "Runs recovered from a dead worker in the window",
+            label,
+            len(recoveries),
+        )
+
+
+def _windowed(name: str, help_text: str, label: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, help_text, labels=["window"])
+    family.add_metric(label, value)
+    return family
+
+
+def _commit_figures(since) -> tuple[int, dict[float, float]]:
+    """Commits in the window and their latency quantiles, aggregated by the database where it
+    can (a busy window holds hundreds of thousands of commits)."""
+    from durability.models import Event, EventKind
+
+    kinds = (EventKind.CHECKPOINT, EventKind.COMMIT_LATENCY)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FILTER (WHERE kind = 'checkpoint'),"
+                " percentile_cont(%s::float8[]) WITHIN GROUP (ORDER BY commit_us)"
+                " FROM durability_event WHERE created_at >= %s AND kind IN (%s, %s)"
+                " AND (commit_us IS NOT NULL OR kind = 'checkpoint')",
+                [list(QUANTILES), since, *kinds],
+            )
+            commits, values = cur.fetchone()
+        quantiles = {}
+        if values and any(v is not None for v in values):
+            quantiles = {
+                q: v / 1e6 for q, v in zip(QUANTILES, values, strict=True) if v is not None
+            }
+        return commits, quantiles
+    rows = Event.objects.filter(created_at__gte=since, kind__in=kinds).values_list(
+        "kind", "commit_us"
+    )
+    commits, latencies = 0, []
+    for kind, us in rows:
+        commits += kind == EventKind.CHECKPOINT
+        if us is not None:
+            latencies.append(us / 1e6)
+    return commits, _quantiles(latencies)
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    token = getattr(settings, "DURABILITY_METRICS_TOKEN", "")
+    if token:
+        sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), token.encode()):
+            return HttpResponse(
+                "a valid bearer token is required\n", status=401, content_type="text/plain"
+            )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        DurabilityCollector(float(getattr(settings, "DURABILITY_METRICS_WINDOW_SECONDS", 300)))
+    )
+    connection.ensure_connection()
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def health_view(request: HttpRequest) -> HttpResponse:
+    """For load balancers: 200 when the database answers, 503 when it does not."""
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SELECT 1")
+    except Exception as exc:  # any failure to reach the database is "unhealthy"
+        return HttpResponse(
+            f"database unreachable: {type(exc).__name__}\n", status=503, content_type="text/plain"
+        )
+    return HttpResponse("ok\n", content_type="text/plain")

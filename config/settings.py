@@ -1,0 +1,303 @@
+"""Django settings, all from environment variables (see .env.example).
+
+With nothing set, this is the embedded default: SQLite and Celery's filesystem broker
+under ./var/, the demo agents loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+
+from config.env import env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("DURABILITY_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = env_bool("DEBUG", False)
+# The embedded default must start with nothing configured; production sets SECRET_KEY.
+SECRET_KEY = env_str("SECRET_KEY", "insecure-embedded-default-change-me")
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "durability",
+    "workers",
+    "dashboard",
+    "examples",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _database() -> dict:
+    url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
+    db = dj_database_url.parse(url, conn_max_age=env_int("CONN_MAX_AGE", 60))
+    db["CONN_HEALTH_CHECKS"] = True
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        # Web, worker and beat share one file: WAL lets readers run beside the writer,
+        # IMMEDIATE takes the write lock up front (no deadlock on upgrade), and the busy
+        # timeout makes a writer wait instead of failing with "database is locked".
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        db["CONN_MAX_AGE"] = 0
+        db["OPTIONS"] = {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 30,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
+            " PRAGMA foreign_keys=ON;",
+        }
+    db.setdefault("TEST", {})
+    if env_str("DATABASE_TEST_NAME", ""):
+        db["TEST"]["NAME"] = env_str("DATABASE_TEST_NAME")
+    return db
+
+
+DATABASES = {"default": _database()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}
+
+# --- Celery (the doorbell; PostgreSQL stays the truth) -------------------------------------
+
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    _broker_dir = VAR_DIR / "broker"
+    for _sub in ("queue", "control"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "control_folder": str(_broker_dir / "control"),
+        "store_processed": False,
+        "polling_interval": env_float("CELERY_BROKER_POLLING_INTERVAL", 0.2),
+    }
+else:
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        # A whole-worker SIGKILL leaves its message unacked until this expires; the sweeper,
+        # not this timeout, is what recovers such runs quickly.
+        "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
+        "global_keyprefix": env_str("CELERY_KEY_PREFIX", ""),
+    }
+# Publishing must not hang an operator's request when the broker is down: the sweeper rings
+# again for any run whose doorbell was lost.
+CELERY_TASK_PUBLISH_RETRY_POLICY = {
+    "max_retries": 2,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": 0.5,
+}
+CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "durability")
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "durability-sweep": {
+        "task": "durability.sweep",
+        "schedule": env_float("DURABILITY_SWEEP_SECONDS", 2.0),
+        "options": {"expires": 30},
+    },
+    # Retention policies (per agent: keep_days, keep_checkpoints).
+    "durability-prune": {
+        "task": "durability.prune",
+        "schedule": env_float("DURABILITY_PRUNE_SECONDS", 3600.0),
+        "options": {"expires": 600},
+    },
+}
+
+# --- The engine -----------------------------------------------------------------------------
+
+# Modules whose import registers agents (like Celery's autodiscovery).
+DURABILITY_AGENT_MODULES = env_list("DURABILITY_AGENT_MODULES", ["examples.agents"])
+# A lease lives this long without a heartbeat; long enough for GC pauses and stalls. A dead
+# process is noticed much sooner through its liveness lock (see durability/leases.py).
+DURABILITY_LEASE_SECONDS = env_float("DURABILITY_LEASE_SECONDS", 30.0)
+DURABILITY_HEARTBEAT_SECONDS = env_float(
+    "DURABILITY_HEARTBEAT_SECONDS", DURABILITY_LEASE_SECONDS / 3
+)
+# A queued run nobody claimed for this long has its doorbell rung again.
+DURABILITY_REQUEUE_SECONDS = env_float("DURABILITY_REQUEUE_SECONDS", 10.0)
+# Claims in a row that ended with the worker dying before the run fails as a poison step.
+DURABILITY_POISON_ATTEMPTS = env_int("DURABILITY_POISON_ATTEMPTS", 5)
+DURABILITY_MAX_STATE_BYTES = env_int("DURABILITY_MAX_STATE_BYTES", 16 * 1024 * 1024)
+DURABILITY_MAX_INPUT_BYTES = env_int("DURABILITY_MAX_INPUT_BYTES", 1024 * 1024)
+# A worker gives the broker back a long run after this long, so runs share workers fairly.
+DURABILITY_SLICE_SECONDS = env_float("DURABILITY_SLICE_SECONDS", 60.0)
+# On SIGTERM a worker lets the current step finish for this long, then abandons it.
+DURABILITY_SHUTDOWN_GRACE_SECONDS = env_float("DURABILITY_SHUTDOWN_GRACE_SECONDS", 10.0)
+# Runs at the "replicated" level: a commit the synchronous standby has not confirmed after
+# this long is kept (it is durable on the primary) and an alarm is raised.
+DURABILITY_REPLICATION_TIMEOUT_SECONDS = env_float("DURABILITY_REPLICATION_TIMEOUT_SECONDS", 10.0)
+# A worker whose agent version cannot continue a run hands it back for this long (a rolling
+# deploy: a worker with a compatible version takes it meanwhile).
+DURABILITY_VERSION_RETRY_SECONDS = env_float("DURABILITY_VERSION_RETRY_SECONDS", 30.0)
+# Strings in a state longer than this are kept once, by content, in the blob store (a local
+# folder, or the Django storage alias DURABILITY_BLOB_STORAGE names, such as S3).
+DURABILITY_BLOB_BYTES = env_int("DURABILITY_BLOB_BYTES", 256 * 1024)
+DURABILITY_BLOB_DIR = env_str("DURABILITY_BLOB_DIR", str(VAR_DIR / "blobs"))
+DURABILITY_BLOB_STORAGE = env_str("DURABILITY_BLOB_STORAGE", "")
+# /metrics (Prometheus text): a bearer token scrapers must send (open when empty), and the
+# window its latency and recovery figures cover.
+DURABILITY_METRICS_TOKEN = env_str("DURABILITY_METRICS_TOKEN", "")
+DURABILITY_METRICS_WINDOW_SECONDS = env_float("DURABILITY_METRICS_WINDOW_SECONDS", 300.0)
+# Shared rate limits for named resources, respected by every worker:
+# "openai=60/min,search=5/s" (agents attach them to call keys with Agent(limits=...)).
+DURABILITY_RATE_LIMITS = env_str("DURABILITY_RATE_LIMITS", "")
+# Workers announce the agent versions they run this often (a rolling deploy routes each run
+# to one that can continue it; an announcement older than three rounds is stale).
+DURABILITY_PRESENCE_SECONDS = env_float("DURABILITY_PRESENCE_SECONDS", 15.0)
+# A worker whose database went away waits this long for it before giving the run up.
+DURABILITY_DB_WAIT_SECONDS = env_float("DURABILITY_DB_WAIT_SECONDS", 300.0)
+# Detecting tampering (not only corruption) needs a key kept outside the database.
+DURABILITY_HMAC_KEY = env_str("DURABILITY_HMAC_KEY", "")
+DURABILITY_SECRET_KEY_PATTERN = env_str("DURABILITY_SECRET_KEY_PATTERN", "")
+DURABILITY_LOCK_DIR = env_str("DURABILITY_LOCK_DIR", str(VAR_DIR / "locks"))
+
+# --- Dashboard ------------------------------------------------------------------------------
+# Server-rendered pages (Django templates + htmx). Every page needs a login; viewers read,
+# members of the "operators" group (and superusers) may act on runs.
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard:runs"
+LOGOUT_REDIRECT_URL = "login"
+MIDDLEWARE += ["django.middleware.csp.ContentSecurityPolicyMiddleware"]
+
+# Content-Security-Policy (Django's built-in middleware): scripts and styles only from our own
+# static files. No inline script, no 'unsafe-inline', no 'unsafe-eval': agent output that
+# slipped through escaping still could not run.
+from django.utils.csp import CSP  # noqa: E402
+
+SECURE_CSP = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF],
+    "style-src": [CSP.SELF],
+    "img-src": [CSP.SELF],
+    "font-src": [CSP.SELF],
+    "connect-src": [CSP.SELF],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "form-action": [CSP.SELF],
+    "frame-ancestors": [CSP.NONE],
+}
+
+# Links in notifications point here.
+DURABILITY_DASHBOARD_URL = env_str("DURABILITY_DASHBOARD_URL", "http://127.0.0.1:8000")
+# A run's page links to its trace when this is set, e.g. Jaeger's
+# "http://127.0.0.1:16686/trace/{trace_id}".
+DURABILITY_TRACE_URL = env_str("DURABILITY_TRACE_URL", "")
+
+# Durability SLO targets (durability/slo.py): each indicator is shown against its target with
+# the error budget left over the chosen window.
+DURABILITY_SLO_TARGETS = {
+    # Share of checkpoint commits that succeed at the first attempt.
+    "commit_success": env_float("DURABILITY_SLO_COMMIT_SUCCESS", 0.999),
+    # 99th percentile of checkpoint commit latency, in milliseconds.
+    "commit_latency_p99_ms": env_float("DURABILITY_SLO_COMMIT_P99_MS", 100.0),
+    # 95th percentile of recovery time (lost lease to resumed), in seconds.
+    "recovery_p95_s": env_float("DURABILITY_SLO_RECOVERY_P95_S", 30.0),
+    # 95th percentile of work lost per recovery (last checkpoint to failure), in seconds.
+    "work_lost_p95_s": env_float("DURABILITY_SLO_WORK_LOST_P95_S", 60.0),
+    # Effects in doubt at any moment.
+    "effects_in_doubt_max": env_int("DURABILITY_SLO_EFFECTS_IN_DOUBT_MAX", 0),
+    # 95th percentile of the wait for an approval decision, in minutes.
+    "approval_wait_p95_min": env_float("DURABILITY_SLO_APPROVAL_WAIT_P95_MIN", 60.0),
+    # Share of finished runs (cancelled ones aside) that succeed.
+    "run_success": env_float("DURABILITY_SLO_RUN_SUCCESS", 0.95),
+}
+
+# Notifications: a webhook (JSON, or a Slack-compatible body) and/or email when an approval is
+# requested or waits too long, a run fails, or an effect goes in doubt. Once per event, retried
+# with backoff, each delivery recorded (dashboard.models.Notification).
+DURABILITY_NOTIFY_WEBHOOK_URL = env_str("DURABILITY_NOTIFY_WEBHOOK_URL", "")
+DURABILITY_NOTIFY_WEBHOOK_FORMAT = env_str("DURABILITY_NOTIFY_WEBHOOK_FORMAT", "json")
+DURABILITY_NOTIFY_EMAIL_TO = env_list("DURABILITY_NOTIFY_EMAIL_TO", [])
+DURABILITY_NOTIFY_MAX_ATTEMPTS = env_int("DURABILITY_NOTIFY_MAX_ATTEMPTS", 8)
+# An approval without a deadline that has waited this long gets a second notification.
+DURABILITY_NOTIFY_APPROVAL_OVERDUE_MINUTES = env_float(
+    "DURABILITY_NOTIFY_APPROVAL_OVERDUE_MINUTES", 45.0
+)
+# An approval with a deadline gets a warning this long before its policy decides for it.
+DURABILITY_NOTIFY_APPROVAL_EXPIRING_MINUTES = env_float(
+    "DURABILITY_NOTIFY_APPROVAL_EXPIRING_MINUTES", 10.0
+)
+DURABILITY_NOTIFY_SECONDS = env_float("DURABILITY_NOTIFY_SECONDS", 10.0)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "durability@localhost")
+# Django 6.1's MAILERS (the EMAIL_* settings are deprecated): SMTP from the environment.
+MAILERS = {
+    "default": {
+        "BACKEND": env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend"),
+        "OPTIONS": {
+            "host": env_str("EMAIL_HOST", "localhost"),
+            "port": env_int("EMAIL_PORT", 25),
+            "username": env_str("EMAIL_HOST_USER", ""),
+            "password": env_str("EMAIL_HOST_PASSWORD", ""),
+            "use_tls": env_bool("EMAIL_USE_TLS", False),
+            "timeout": env_int("EMAIL_TIMEOUT", 10),
+        },
+    }
+}
+if DURABILITY_NOTIFY_WEBHOOK_URL or DURABILITY_NOTIFY_EMAIL_TO:
+    CELERY_BEAT_SCHEDULE["dashboard-notify"] = {
+        "task": "dashboard.notify",
+        "schedule": DURABILITY_NOTIFY_SECONDS,
+        "options": {"expires": 60},
+    }
