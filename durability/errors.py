@@ -1,0 +1,198 @@
+"""Coded errors. Every message names the run it is about, so a log line is enough to act on.
+
+Two families: ``DurabilityError`` (an ``Exception``) for things callers handle, and the
+control-flow signals (``BaseException``) that unwind a step and that agent code must not
+swallow with a bare ``except Exception``.
+"""
+
+from __future__ import annotations
+
+
+class DurabilityError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+    code = "DUR000"
+
+    def __init__(self, message: str, *, run_id: object | None = None) -> None:
+        self.message = message
+        self.run_id = run_id
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        where = f" (run {self.run_id})" if self.run_id else ""
+        return f"[{self.code}] {self.message}{where}"
+
+
+# --- bad input: a clear message and nothing changed ------------------------------------------
+
+
+class InvalidInput(DurabilityError):
+    code = "DUR100"
+
+
+class UnknownAgent(InvalidInput):
+    code = "DUR101"
+
+
+class SchemaViolation(InvalidInput):
+    """Input or state that fails the agent's schema. Permanent: retrying cannot fix it."""
+
+    code = "DUR102"
+
+
+class StateNotJSON(InvalidInput):
+    code = "DUR103"
+
+
+class StateTooLarge(InvalidInput):
+    code = "DUR104"
+
+
+class UnknownRun(InvalidInput):
+    code = "DUR105"
+
+
+class UnknownCheckpoint(InvalidInput):
+    code = "DUR106"
+
+
+class InvalidTransition(InvalidInput):
+    """The operation does not apply to the run in its current status."""
+
+    code = "DUR107"
+
+
+class AlreadyDecided(InvalidInput):
+    code = "DUR108"
+
+
+class UnknownApproval(InvalidInput):
+    code = "DUR109"
+
+
+class UnknownEffect(InvalidInput):
+    code = "DUR110"
+
+
+class NotAllowed(InvalidInput):
+    """The person acting is not among those the policy lets decide."""
+
+    code = "DUR111"
+
+
+# --- integrity ---------------------------------------------------------------------------------
+
+
+class IntegrityViolation(DurabilityError):
+    """A checkpoint's stored bytes do not match its hashes; it is never rehydrated."""
+
+    code = "DUR200"
+
+    def __init__(self, message: str, *, run_id: object | None = None, seq: int | None = None):
+        self.seq = seq
+        super().__init__(message, run_id=run_id)
+
+
+# --- execution -----------------------------------------------------------------------------
+
+
+class FencedOut(DurabilityError):
+    """A fenced write found another lease or another head: this worker must stop."""
+
+    code = "DUR300"
+
+    def __init__(self, message: str, *, run_id: object | None = None, guard: str = "lease"):
+        self.guard = guard
+        super().__init__(message, run_id=run_id)
+
+
+class NonDeterminismError(DurabilityError):
+    """A replayed operation met a different function or arguments than it recorded."""
+
+    code = "DUR400"
+
+
+class EffectFailed(DurabilityError):
+    """An effect an operator marked as failed, raised into the step that asked for it."""
+
+    code = "DUR401"
+
+
+class IncompatibleVersion(DurabilityError):
+    """A checkpoint written by an agent version this code cannot continue."""
+
+    code = "DUR402"
+
+
+class PoisonStep(DurabilityError):
+    code = "DUR500"
+
+
+class StepError(DurabilityError):
+    """A step raised an error that is not transient; the run fails with it recorded."""
+
+    code = "DUR501"
+
+
+class RetriesExhausted(DurabilityError):
+    code = "DUR502"
+
+
+class AgentDefinitionError(DurabilityError):
+    code = "DUR600"
+
+
+class SecretMissing(DurabilityError):
+    code = "DUR601"
+
+
+# --- what agent code raises ----------------------------------------------------------------
+
+
+class Transient(Exception):
+    """Raise (or subclass) for an error worth retrying: a timeout, a 503, a dropped socket.
+
+    The run is rescheduled with exponential backoff and jitter; no worker sleeps meanwhile.
+    """
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class RateLimited(Transient):
+    """The provider said "slow down"; ``retry_after`` (seconds) is honoured when given."""
+
+
+class StepTimeout(Transient):
+    """A step ran past its agent's ``step_timeout``."""
+
+
+class Permanent(Exception):
+    """Raise for an error that retrying cannot fix; the run fails with it recorded."""
+
+
+# --- control flow: BaseException so that ``except Exception`` in agent code lets it pass -----
+
+
+class Suspend(BaseException):  # noqa: N818 - a signal, not an error
+    """Unwinds a step that waits (approval, timer, in-doubt effect); the worker is released.
+
+    Carries a ``durability.context.Suspension`` saying what to record and what to re-check.
+    """
+
+    def __init__(self, suspension: object) -> None:
+        self.suspension = suspension
+        super().__init__(suspension)
+
+
+class LeaseLost(BaseException):  # noqa: N818 - a signal, not an error
+    """Another worker owns the run now; this one stops without writing anything else."""
+
+    def __init__(self, message: str, guard: str = "lease") -> None:
+        self.guard = guard
+        super().__init__(message)
+
+
+class Abandon(BaseException):  # noqa: N818 - a signal, not an error
+    """The worker is shutting down and the step did not finish within the grace period."""

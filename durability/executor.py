@@ -1,0 +1,834 @@
+"""Executing a run: claim it, rehydrate its head, run steps and checkpoint after each.
+
+The worker keeps two copies of the state: ``live``, which the steps mutate, and
+``pristine``, the last committed state. After a step the structural diff of the two is the
+checkpoint's patch; applying a copy of that patch to ``pristine`` brings it forward without
+re-parsing the whole state, and its canonical bytes are checked against ``live``'s (the
+fast diff treats 1 == 1.0 == True; on a mismatch the exact diff is used). A failed attempt
+never leaks: the next one starts from the committed bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import Any
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from durability import blobs, canonical, checkpoints, diff, dispatch, leases, telemetry
+from durability.agents import Agent, registry
+from durability.checkpoints import Head, SnapshotWriter, StepCommit
+from durability.context import Context, Records, Suspension, WhatIf
+from durability.errors import (
+    Abandon,
+    DurabilityError,
+    FencedOut,
+    IncompatibleVersion,
+    IntegrityViolation,
+    LeaseLost,
+    PoisonStep,
+    RetriesExhausted,
+    StateNotJSON,
+    StateTooLarge,
+    StepError,
+    StepTimeout,
+    Suspend,
+    UnknownAgent,
+)
+from durability.faults import fault
+from durability.models import (
+    Checkpoint,
+    Durability,
+    Event,
+    EventKind,
+    Run,
+    RunStatus,
+    WaitReason,
+)
+from durability.redact import is_secret_key, redact
+
+log = logging.getLogger(__name__)
+
+DB_DOWN = (OperationalError, InterfaceError)
+
+
+_AGAIN = object()  # run the same step again from its base (see Execution._attempt)
+
+
+class Outcome(StrEnum):
+    BUSY = "busy"  # another live process holds the run
+    SKIPPED = "skipped"  # not runnable now (finished, waiting, not due)
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    SUSPENDED = "suspended"
+    RETRY = "retry"
+    YIELDED = "yielded"  # handed back to the queue (time slice, shutdown)
+    LOST = "lost"  # the lease went to someone else
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def execute(
+    run_id: Any,
+    *,
+    worker: str | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    slice_seconds: float | None = None,
+) -> Outcome:
+    """Run ``run_id`` on this process until it finishes, waits, fails, or yields.
+
+    Safe to call for any run at any time: a delivery for a run that is finished, waiting,
+    or leased by a live worker is answered ``SKIPPED``/``BUSY`` without running anything.
+    """
+    worker = worker or worker_name()
+    keeper = leases.LeaseKeeper(run_id, worker)
+    if not keeper.acquire():
+        keeper.stop()
+        return Outcome.BUSY
+    try:
+        claim = leases.claim(run_id, worker, owner_dead=True)
+        if claim is None:
+            return Outcome.SKIPPED
+        keeper.start(claim.token)
+        if slice_seconds is None:
+            slice_seconds = float(getattr(settings, "DURABILITY_SLICE_SECONDS", 60.0))
+        execution = Execution(claim, keeper, worker, should_stop or _never, slice_seconds)
+        with telemetry.execution(claim.run, worker, claim.run.trace_exec) as span:
+            _trace_claim(claim, span)
+            try:
+                outcome = execution.run()
+            finally:
+                execution.close()
+            telemetry.set_attributes(span, **{"durability.outcome": str(outcome)})
+            if outcome == Outcome.FAILED:
+                telemetry.failed(span, execution.failure or "failed")
+            if outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
+                telemetry.count("runs_finished", status=str(outcome), agent=claim.run.agent)
+                if claim.run.parent_run_id:
+                    _tell_parent(claim.run.id)
+            if leases.concurrency_limit(claim.run.agent):
+                _free_slot(claim.run.agent)
+            return outcome
+    finally:
+        keeper.stop()
+
+
+def _free_slot(agent: str) -> None:
+    from durability.limits import next_in_line
+
+    try:
+        waiting = next_in_line(agent)
+    except DB_DOWN:
+        connection.close()  # the parked run's wake_at brings it back anyway
+        return
+    if waiting is not None:
+        dispatch.ring(waiting)
+
+
+def _tell_parent(run_id: Any) -> None:
+    from durability.operations import wake_parent
+
+    try:
+        wake_parent(Run.objects.get(pk=run_id))
+    except DB_DOWN:
+        connection.close()  # the sweeper delivers the wake-up instead
+
+
+def _trace_claim(claim: leases.Claim, span: Any) -> None:
+    """Remember this execution's span on the run (the next execution links to it) and
+    record a recovery's figures."""
+    if span is None:
+        return
+    Run.objects.filter(pk=claim.run.id, lease_token=claim.token).update(
+        trace_exec=telemetry.current_traceparent()
+    )
+    if claim.recovered:
+        telemetry.note("recovered", recovery_ms=claim.recovery_ms, work_lost_ms=claim.work_lost_ms)
+        telemetry.count("recoveries", agent=claim.run.agent)
+        if claim.recovery_ms is not None:
+            telemetry.observe("recovery_duration", claim.recovery_ms / 1000)
+        if claim.work_lost_ms is not None:
+            telemetry.observe("work_lost", claim.work_lost_ms / 1000)
+
+
+def _never() -> bool:
+    return False
+
+
+@contextmanager
+def step_deadline(seconds: float | None, step: str) -> Iterator[None]:
+    """Raise ``StepTimeout`` in the step after ``seconds`` (main thread only: signals)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise StepTimeout(f"step {step!r} ran past its {seconds:g} s timeout")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Execution:
+    def __init__(
+        self,
+        claim: leases.Claim,
+        keeper: leases.LeaseKeeper,
+        worker: str,
+        should_stop: Callable[[], bool],
+        slice_seconds: float,
+    ) -> None:
+        self.row = claim.run
+        self.run_id = claim.run.id
+        self.token = claim.token
+        self.attempts = claim.attempts
+        self.retries = claim.run.retries
+        self.keeper = keeper
+        self.worker = worker
+        self.should_stop = should_stop
+        self.deadline = time.monotonic() + slice_seconds
+        self.snapshots = SnapshotWriter()
+        self.secrets: set[str] = set()
+        self.prev_commit_us: int | None = None
+        self.latency_unreported = False
+        self.failed_commits = 0
+        self.max_state = int(getattr(settings, "DURABILITY_MAX_STATE_BYTES", 16 << 20))
+        self.agent: Agent | None = None
+        self.head: Head | None = None
+        self.data = b""
+        self.pristine: Any = None
+        self.live: Any = None
+        self.input: Any = None
+        # The bytes each step attempt starts from: the committed state, or its upgrade.
+        self.start_bytes = b""
+        self.upgraded_from: int | None = None
+        self.db_errors = 0
+        self.failure: str = ""
+        row = claim.run
+        self.fingerprint: tuple[str, str] = ("", "")
+        self.pc = ""
+        self.base_id, self.base_seq = 0, 0
+        self.counters = {}
+        self.step_start_counters: dict = {}
+        self.pending = 0
+        self.period_started = time.monotonic()
+        self.boundary_bytes = b""
+        self.boundary_step = ""
+        self.what_if = (
+            WhatIf(row.id, row.forked_from_id, row.forked_from_seq or 0, row.what_if_live)
+            if row.what_if and row.forked_from_id
+            else None
+        )
+
+    def close(self) -> None:
+        self.snapshots.close()
+        if self.latency_unreported and self.prev_commit_us is not None:
+            try:
+                Event.objects.create(
+                    run_id=self.run_id,
+                    kind=EventKind.COMMIT_LATENCY,
+                    seq=self.head.seq if self.head else None,
+                    worker=self.worker,
+                    commit_us=self.prev_commit_us,
+                )
+            except DB_DOWN:
+                connection.close()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        try:
+            self.agent = registry.get(self.row.agent)
+        except UnknownAgent:
+            # A worker from another deploy (without this agent): not this one's to run, nor
+            # to fail. Hand it back; a worker that has the agent takes it.
+            return self._wait_for_version(
+                IncompatibleVersion(
+                    f"worker {self.worker} has no agent {self.row.agent!r}", run_id=self.run_id
+                )
+            )
+        poison = int(getattr(settings, "DURABILITY_POISON_ATTEMPTS", 5))
+        if self.attempts > poison:
+            return self._fail(
+                PoisonStep(
+                    f"step {self.row.step!r} was claimed {self.attempts - 1} times in a row"
+                    " and each time its worker died before finishing it; not trying again",
+                    run_id=self.run_id,
+                )
+            )
+        self.fingerprint = self.agent.fingerprint()
+        fault("claimed", run=self.run_id, step=self.row.step, seq=self.row.head_seq)
+        try:
+            self._rehydrate()
+        except IncompatibleVersion as exc:
+            return self._wait_for_version(exc)
+        except IntegrityViolation as exc:
+            return self._fail(exc, integrity=True)
+        except DurabilityError as exc:
+            return self._fail(exc)
+        records = Records.load(self.base_id)
+        while True:
+            step = self.pc
+            if not step:
+                return self._finish_without_step()
+            if self.keeper.lost.is_set():
+                return Outcome.LOST
+            if self.should_stop() or time.monotonic() > self.deadline:
+                if self.pending:
+                    # Between steps, the live state is the period's: keep it before leaving.
+                    try:
+                        self._commit(self.boundary_step, self.pc)
+                    except (FencedOut, LeaseLost):
+                        return Outcome.LOST
+                    self._new_identity(self.head.id, self.head.seq)
+                return self._yield()
+            fn = self.agent.steps.get(step)
+            if fn is None:
+                return self._fail(
+                    StepError(
+                        f"agent {self.agent.name}@{self.agent.version} has no step {step!r}",
+                        run_id=self.run_id,
+                    )
+                )
+            self.step_start_counters = dict(self.counters)
+            ctx = Context(
+                run_id=self.run_id,
+                agent=self.agent,
+                step=step,
+                base_id=self.base_id,
+                base_seq=self.base_seq,
+                token=self.token,
+                worker=self.worker,
+                input=self.input,
+                attempt=self.attempts,
+                retry=self.retries,
+                records=records,
+                what_if=self.what_if,
+                occurrences=self.counters,
+                before_durable=self._flush_period if self.periodic else None,
+            )
+            ctx.secrets = self.secrets
+            fault("before_step", run=self.run_id, step=step, seq=self.head.seq)
+            base_before = self.base_id
+            with telemetry.step(step, self.head.seq, self.attempts) as span:
+                outcome = self._attempt(step, fn, ctx, span)
+            if outcome is _AGAIN:
+                self.live = canonical.loads(self.start_bytes)
+                self.counters.clear()
+                self.counters.update(self.step_start_counters)
+                records = Records.load(self.base_id)
+                continue
+            if outcome is not None:
+                return outcome
+            if self.base_id != base_before:
+                records = Records.empty()  # a new base: nothing recorded against it yet
+
+    @property
+    def periodic(self) -> bool:
+        return self.row.durability == Durability.PERIODIC
+
+    def _new_identity(self, base_id: int, base_seq: int) -> None:
+        """The checkpoint the next steps' operations are identified by, with fresh counters."""
+        self.base_id, self.base_seq = base_id, base_seq
+        self.counters: dict[tuple[str, str], int] = {}
+        self.pending = 0
+        self.period_started = time.monotonic()
+
+    def _step_done(self, step: str, next_step: str) -> None:
+        """A step returned: checkpoint it, or at the periodic level keep it in memory until
+        the period is over (N steps, T seconds, or the run's end)."""
+        if self.periodic and next_step:
+            self.pending += 1
+            due = self.pending >= self.agent.periodic_steps or (
+                time.monotonic() - self.period_started >= self.agent.periodic_seconds
+            )
+            if not due:
+                self.boundary_bytes = self._encode(self.live, step)
+                self.boundary_step = step
+                self.start_bytes = self.boundary_bytes
+                self.pc = next_step
+                return
+        self._commit(step, next_step)
+        self.pc = next_step
+        self._new_identity(self.head.id, self.head.seq)
+
+    def _flush_period(self) -> None:
+        """Checkpoint the steps kept in memory (the state as the previous step left it)
+        before an effect, a suspension or a spawn. The interrupted step goes on under its
+        base and counters, which the checkpoint records for a resumption."""
+        if not self.pending:
+            return
+        replay = canonical.dumps(
+            [[table, key, n] for (table, key), n in sorted(self.step_start_counters.items())]
+        ).decode()
+        current = self.live
+        try:
+            self.live = canonical.loads(self.boundary_bytes)
+            self._commit(self.boundary_step, self.pc, replay=(self.base_id, replay))
+        except FencedOut as exc:
+            raise LeaseLost(str(exc), guard=exc.guard) from None
+        finally:
+            self.live = current
+        self.pending = 0
+        self.period_started = time.monotonic()
+
+    def _attempt(self, step: str, fn: Callable, ctx: Context, span: Any) -> Any:
+        """Run one step and commit it. Returns None to go on with the next step, ``_AGAIN``
+        to run this step again from its base, or the outcome that ends the execution."""
+        try:
+            with step_deadline(self.agent.step_timeout, step):
+                returned = fn(self.live, ctx)
+            next_step = self.agent.successor(step, returned)
+            self._step_done(step, next_step)
+        except Suspend as exc:
+            telemetry.note("suspended", reason=exc.suspension.reason, detail=exc.suspension.detail)
+            outcome = self._suspend(exc.suspension)
+            # None: the wake condition was met before we could suspend; run the step again.
+            return _AGAIN if outcome is None else outcome
+        except (LeaseLost, FencedOut) as exc:
+            telemetry.note("lease_lost", reason=str(exc))
+            return Outcome.LOST
+        except Abandon:
+            return self._yield()
+        except (SystemExit, KeyboardInterrupt):
+            self._yield()  # the process is going away: hand the run back first
+            raise
+        except DB_DOWN as exc:
+            self.db_errors += 1
+            if self.db_errors > 5:  # not an outage but an error that repeats: back off
+                return self._retry(step, exc)
+            if not self._wait_for_database() or not self._still_ours():
+                return Outcome.LOST
+            return _AGAIN
+        except Exception as exc:
+            telemetry.failed(span, exc)
+            if self.agent.is_transient(exc):
+                return self._retry(step, exc)
+            return self._fail(exc)
+        self.db_errors = 0
+        telemetry.set_attributes(span, **{"durability.step.next": next_step or "(end)"})
+        return None if next_step else Outcome.SUCCEEDED
+
+    # --- rehydration --------------------------------------------------------------------------
+
+    def _rehydrate(self) -> None:
+        cp = Checkpoint.objects.select_related("parent").get(
+            run_id=self.run_id, seq=self.row.head_seq
+        )
+        if not self.agent.can_continue(cp.agent_version, cp.schema_version):
+            raise IncompatibleVersion(
+                f"checkpoint #{cp.seq} was written by {self.agent.name}@{cp.agent_version}"
+                f" (schema v{cp.schema_version}); this worker runs"
+                f" {self.agent.name}@{self.agent.version} (schema v{self.agent.schema_version}),"
+                " which has no upgrade from it and does not declare it compatible",
+                run_id=self.run_id,
+            )
+        state, data, rebuilt = checkpoints.verified_state(cp)
+        self.head = Head.of(cp)
+        self.pc = cp.next_step
+        self._new_identity(cp.id, cp.seq)
+        if cp.replay_base_id is not None:
+            # Forced in the middle of a period: the interrupted step keeps its identities.
+            base_seq = (
+                Checkpoint.objects.filter(pk=cp.replay_base_id)
+                .values_list("seq", flat=True)
+                .first()
+            )
+            self._new_identity(cp.replay_base_id, base_seq or 0)
+            for table, key, n in canonical.loads(cp.replay_counters or "[]"):
+                self.counters[(table, key)] = n
+        self.input = canonical.loads(self.row.input)
+        if rebuilt.deltas and rebuilt.bytes_read > 2 * len(data):
+            # A snapshot the policy asked for was lost with its process: write it now.
+            self.snapshots.submit(cp.id, data)
+            self.head.delta_run = 0
+        self.data = data
+        self.pristine = state
+        self.start_bytes = data
+        if cp.schema_version != self.agent.schema_version:
+            # Upgrade in memory: the next checkpoint carries the new version and is written
+            # as a snapshot. Records made from this head stay valid (same base).
+            upgraded = self.agent.upgrade(canonical.loads(data), cp.schema_version)
+            self.agent.validate(upgraded)
+            self.start_bytes = canonical.dumps(upgraded, what="upgraded state")
+            self.upgraded_from = cp.schema_version
+        self.live = canonical.loads(self.start_bytes)
+
+    # --- committing -----------------------------------------------------------------------------
+
+    def _commit(self, step: str, next_step: str, replay: tuple[int, str] | None = None) -> None:
+        agent, head = self.agent, self.head
+        live = self.live
+        if not isinstance(live, dict):
+            from durability.errors import SchemaViolation
+
+            raise SchemaViolation(
+                f"step {step!r} left the state as {type(live).__name__}, not a JSON object",
+                run_id=self.run_id,
+            )
+        new_bytes = self._encode(live, step)
+        ops = diff.diff(self.pristine, live)
+        limit = blobs.threshold()
+        if any("value" in op and blobs.needs_offload(op["value"], limit) for op in ops):
+            # Large values go to the blob store before the checkpoint that refers to them.
+            blobs.offload(live, limit)
+            new_bytes = self._encode(live, step)
+            ops = diff.diff(self.pristine, live)
+        if self._redact_changes(ops):
+            redact(live, self.secrets)
+            new_bytes = canonical.dumps(live, what=f"state after step {step!r}")
+            ops = diff.diff(self.pristine, live)
+        if len(new_bytes) > self.max_state:
+            raise StateTooLarge(
+                f"state after step {step!r} is {len(new_bytes):,} bytes, over the limit of"
+                f" {self.max_state:,} (DURABILITY_MAX_STATE_BYTES)",
+                run_id=self.run_id,
+            )
+        agent.validate(live)
+        ops_bytes = canonical.dumps(ops)
+        pristine = diff.apply_own(self.pristine, canonical.loads(ops_bytes))
+        if canonical.dumps(pristine) != new_bytes:
+            # The fast walk missed a change of number type (1 -> 1.0 -> True): diff exactly.
+            before = canonical.loads(self.data)
+            ops = diff.diff(before, live, strict=True)
+            ops_bytes = canonical.dumps(ops)
+            pristine = diff.apply(before, canonical.loads(ops_bytes))
+            if canonical.dumps(pristine) != new_bytes:  # pragma: no cover - a bug if reached
+                raise IntegrityViolation(
+                    f"the patch of step {step!r} does not reproduce its state",
+                    run_id=self.run_id,
+                )
+        state_hash = canonical.sha256_hex(new_bytes)
+        seq = head.seq + 1
+        chain = checkpoints.link(
+            head.chain_hash,
+            state_hash,
+            run_id=self.run_id,
+            seq=seq,
+            step=step,
+            next_step=next_step,
+            schema_version=agent.schema_version,
+            agent_version=agent.version,
+        )
+        delta_run = head.delta_run + len(ops_bytes)
+        snapshot_now = self.upgraded_from is not None or checkpoints.needs_snapshot(
+            delta_run, len(new_bytes)
+        )
+        inline = snapshot_now and (
+            self.upgraded_from is not None or len(new_bytes) <= checkpoints.INLINE_SNAPSHOT_BYTES
+        )
+        commit = StepCommit(
+            run_id=self.run_id,
+            token=self.token,
+            head=head,
+            worker=self.worker,
+            step=step,
+            next_step=next_step,
+            ops_bytes=ops_bytes,
+            ops_count=len(ops),
+            state_hash=state_hash,
+            chain_hash=chain,
+            size=len(new_bytes),
+            delta_run=delta_run,
+            schema_version=agent.schema_version,
+            agent_version=agent.version,
+            commit_id=uuid.uuid4(),
+            prev_commit_us=self.prev_commit_us,
+            lease_seconds=leases.lease_seconds(),
+            upgraded_from=self.upgraded_from,
+            snapshot=new_bytes if inline else None,
+            durability=self.row.durability,
+            config_hash=self.fingerprint[0],
+            packages=self.fingerprint[1],
+            replay_base_id=replay[0] if replay else None,
+            replay_counters=replay[1] if replay else "",
+        )
+        started = time.perf_counter()
+        with telemetry.commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline):
+            checkpoint_id = self._commit_with_recovery(commit)
+        elapsed = time.perf_counter() - started
+        self.prev_commit_us = int(elapsed * 1_000_000)
+        telemetry.record_commit(agent.name, elapsed)
+        self.latency_unreported = True
+        self.pristine = pristine
+        self.data = new_bytes
+        self.start_bytes = new_bytes
+        self.retries = 0
+        self.attempts = 1  # the next step's first attempt (as the commit recorded)
+        self.head = Head(
+            id=checkpoint_id,
+            seq=seq,
+            chain_hash=chain,
+            state_hash=state_hash,
+            size=len(new_bytes),
+            delta_run=delta_run,
+            schema_version=agent.schema_version,
+            agent_version=agent.version,
+            step=step,
+            next_step=next_step,
+        )
+        # The first checkpoint after a schema upgrade is a snapshot (written inline above).
+        self.upgraded_from = None
+        if snapshot_now:
+            if not inline:
+                self.snapshots.submit(checkpoint_id, new_bytes)
+            self.head.delta_run = 0
+        fault("after_commit", run=self.run_id, step=step, seq=seq)
+
+    def _encode(self, live: dict, step: str) -> bytes:
+        what = f"state after step {step!r}"
+        try:
+            return canonical.dumps(live, what=what)
+        except StateNotJSON:
+            canonical.check_json(live, what=what)  # names the path
+            raise
+
+    def _redact_changes(self, ops: list[dict]) -> bool:
+        """Redact secrets inside the changed values; True if the live state itself must be
+        redacted too (a secret-looking key was set, or a scalar held a secret)."""
+        whole = False
+        for op in ops:
+            if "value" not in op:
+                continue
+            value = op["value"]
+            canonical.check_json(value, what="state", path=op["path"])
+            last = op["path"].rsplit("/", 1)[-1]
+            if last and is_secret_key(diff.unescape(last)):
+                whole = True
+                continue
+            if type(value) in (dict, list):
+                _, changed = redact(value, self.secrets)  # in place, so ``live`` too
+                whole = whole or changed
+            elif type(value) is str and self.secrets:
+                whole = whole or any(s in value for s in self.secrets)
+        return whole
+
+    def _commit_with_recovery(self, commit: StepCommit) -> int:
+        """Commit; if the connection drops during COMMIT, find out whether it happened."""
+        while True:
+            try:
+                checkpoint_id = checkpoints.commit_step(commit)
+                break
+            except FencedOut as exc:
+                log.warning("%s", exc)
+                raise
+            except DB_DOWN:
+                self.failed_commits += 1
+                telemetry.count("commit_failures")
+                if not self._wait_for_database():
+                    raise LeaseLost("the database stayed unreachable") from None
+                found = checkpoints.committed_id(self.run_id, commit.commit_id)
+                if found is not None:
+                    checkpoint_id = found
+                    break
+                if not self._still_ours():
+                    raise LeaseLost("the lease expired while the database was away") from None
+        if self.failed_commits:
+            Event.objects.create(
+                run_id=self.run_id,
+                kind=EventKind.COMMIT_FAILED,
+                seq=commit.head.seq + 1,
+                worker=self.worker,
+                data=canonical.dumps({"failed_commits": self.failed_commits}).decode(),
+            )
+            self.failed_commits = 0
+        return checkpoint_id
+
+    def _wait_for_database(self) -> bool:
+        """Poll until the database answers again (True) or the wait is too long (False)."""
+        give_up = time.monotonic() + float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
+        delay = 0.05
+        while time.monotonic() < give_up:
+            connection.close()
+            try:
+                with connection.cursor() as cur:
+                    cur.execute("SELECT 1")
+                return True
+            except DB_DOWN:
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        connection.close()
+        return False
+
+    def _still_ours(self) -> bool:
+        return Run.objects.filter(pk=self.run_id, lease_token=self.token).exists()
+
+    # --- the ways an execution ends -------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        fields.setdefault("seq", self.head.seq if self.head else self.row.head_seq)
+        fields.setdefault("step", self.pc or (self.head.next_step if self.head else self.row.step))
+        if self.latency_unreported:
+            fields.setdefault("commit_us", self.prev_commit_us)
+            self.latency_unreported = False
+        return Event(run_id=self.run_id, kind=kind, worker=self.worker, **fields)
+
+    def _suspend(self, s: Suspension) -> Outcome | None:
+        with transaction.atomic():
+            mine = Run.objects.select_for_update().filter(pk=self.run_id, lease_token=self.token)
+            if not mine.exists():
+                return Outcome.LOST
+            if s.ready is not None and s.ready():
+                return None
+            if s.write is not None:
+                s.write()
+            fields: dict[str, Any] = {
+                "status": RunStatus.WAITING,
+                "wait_reason": s.reason,
+                "wait_detail": s.detail[:500],
+                "attempts": 0,
+            }
+            if s.wake_at is not None:
+                fields["wake_at"] = s.wake_at
+            leases.release(self.run_id, self.token, **fields)
+            self._event(
+                EventKind.SUSPENDED,
+                data=canonical.dumps({"reason": s.reason, "detail": s.detail}).decode(),
+            ).save()
+        if s.wake_at is not None:
+            dispatch.ring(self.run_id, delay=(s.wake_at - timezone.now()).total_seconds())
+        fault("suspended", run=self.run_id, step=self.pc, reason=s.reason)
+        return Outcome.SUSPENDED
+
+    def _retry(self, step: str, exc: BaseException) -> Outcome:
+        agent = self.agent
+        error = f"{type(exc).__name__}: {exc}"
+        if self.retries >= agent.max_retries:
+            return self._fail(
+                RetriesExhausted(
+                    f"step {step!r} failed {self.retries + 1} times with transient errors;"
+                    f" last: {error}",
+                    run_id=self.run_id,
+                )
+            )
+        delay = agent.backoff(self.retries, getattr(exc, "retry_after", None))
+        with transaction.atomic():
+            if not leases.release(
+                self.run_id,
+                self.token,
+                status=RunStatus.QUEUED,
+                wait_reason=WaitReason.RETRY,
+                wait_detail=error[:500],
+                wake_at=leases.db_now_plus(delay),
+                rung_at=leases.db_now_plus(delay),
+                retries=F("retries") + 1,
+                attempts=0,
+            ):
+                return Outcome.LOST
+            self._event(
+                EventKind.RETRY_SCHEDULED,
+                data=canonical.dumps(
+                    {"delay_s": round(delay, 3), "error": error[:2000], "retry": self.retries + 1}
+                ).decode(),
+            ).save()
+            dispatch.ring(self.run_id, delay=delay + 0.05)
+        return Outcome.RETRY
+
+    def _fail(self, exc: BaseException, *, integrity: bool = False) -> Outcome:
+        code = getattr(exc, "code", "") or StepError.code
+        if isinstance(exc, DurabilityError):
+            message = exc.message
+        else:
+            message = f"{type(exc).__name__}: {exc}"
+        message, _ = redact(message, self.secrets)
+        self.failure = message
+        detail = {"error": message, "type": type(exc).__name__}
+        if not isinstance(exc, DurabilityError):
+            tb = "".join(traceback.format_exception(exc)[-12:])
+            detail["traceback"], _ = redact(tb, self.secrets)
+        with transaction.atomic():
+            if not leases.release(
+                self.run_id,
+                self.token,
+                status=RunStatus.FAILED,
+                error=message[:10000],
+                error_code=code,
+                finished_at=Now(),
+                attempts=0,
+                wait_reason=WaitReason.NONE,
+                wait_detail="",
+            ):
+                return Outcome.LOST
+            events = []
+            if integrity:
+                events.append(
+                    self._event(
+                        EventKind.INTEGRITY, reason=message, data=canonical.dumps(detail).decode()
+                    )
+                )
+            events.append(
+                self._event(
+                    EventKind.FAILED, reason=message[:2000], data=canonical.dumps(detail).decode()
+                )
+            )
+            Event.objects.bulk_create(events)
+        log.info("run %s failed: %s", self.run_id, message)
+        return Outcome.FAILED
+
+    def _yield(self) -> Outcome:
+        with transaction.atomic():
+            if not leases.release(
+                self.run_id, self.token, status=RunStatus.QUEUED, attempts=0, rung_at=Now()
+            ):
+                return Outcome.LOST
+            self._event(EventKind.RELEASED, reason="handed back to the queue").save()
+            dispatch.ring(self.run_id)
+        return Outcome.YIELDED
+
+    def _wait_for_version(self, exc: IncompatibleVersion) -> Outcome:
+        """Not this worker's to run: hand the run back, waiting visibly, so that a worker with
+        a version that can continue it (during a rolling deploy) takes it instead."""
+        delay = float(getattr(settings, "DURABILITY_VERSION_RETRY_SECONDS", 30.0))
+        with transaction.atomic():
+            if not leases.release(
+                self.run_id,
+                self.token,
+                status=RunStatus.QUEUED,
+                wait_reason=WaitReason.VERSION,
+                wait_detail=exc.message[:500],
+                wake_at=leases.db_now_plus(delay),
+                rung_at=leases.db_now_plus(delay),
+                attempts=0,
+            ):
+                return Outcome.LOST
+            self._event(EventKind.RELEASED, reason=exc.message).save()
+        log.warning("%s", exc)
+        return Outcome.YIELDED
+
+    def _finish_without_step(self) -> Outcome:
+        """A head with no next step (e.g. rolled back to the final checkpoint)."""
+        with transaction.atomic():
+            if not leases.release(
+                self.run_id,
+                self.token,
+                status=RunStatus.SUCCEEDED,
+                finished_at=Now(),
+                attempts=0,
+            ):
+                return Outcome.LOST
+            self._event(EventKind.SUCCEEDED).save()
+        return Outcome.SUCCEEDED
+
+
+__all__ = ["Outcome", "execute", "step_deadline", "worker_name"]

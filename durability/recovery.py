@@ -1,0 +1,188 @@
+"""The sweeper: PostgreSQL is the truth and the broker only a doorbell, so something must
+find the runs the broker forgot. Run periodically (Celery beat) and once at worker start.
+
+1. Runs marked running whose process is gone (nobody holds their liveness lock) or whose
+   lease expired are put back in the queue, fenced on the token that was read.
+2. Durable timers that are due are queued.
+3. Runs queued and unclaimed for longer than ``DURABILITY_REQUEUE_SECONDS`` (a message lost
+   with a Redis restart, a worker SIGKILLed with its message unacked) are rung again.
+
+Every change is a conditional UPDATE, so several sweepers at once are harmless; rows are
+picked with ``SKIP LOCKED``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import F, Q
+from django.db.models.functions import Coalesce, Now
+
+from durability import canonical, dispatch, leases
+from durability.faults import fault
+from durability.models import TIMED_WAITS, Event, EventKind, Run, RunStatus, WaitReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepReport:
+    recovered: list[str] = field(default_factory=list)
+    timers: list[str] = field(default_factory=list)
+    rung: list[str] = field(default_factory=list)
+    approvals: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.recovered or self.timers or self.rung or self.approvals)
+
+
+def _db_now() -> Any:
+    with connection.cursor() as cur:
+        if connection.vendor == "postgresql":
+            cur.execute("SELECT now()")
+            return cur.fetchone()[0]
+    from django.utils import timezone
+
+    return timezone.now()
+
+
+def sweep(limit: int = 500) -> SweepReport:
+    report = SweepReport()
+    _recover_dead(report, limit)
+    _wake_timers(report, limit)
+    _wake_parents(report, limit)
+    _expire_approvals(report, limit)
+    _ring_forgotten(report, limit)
+    if report:
+        log.info(
+            "sweep: %d recovered, %d timers due, %d rung again",
+            len(report.recovered),
+            len(report.timers),
+            len(report.rung),
+        )
+    return report
+
+
+def _recover_dead(report: SweepReport, limit: int) -> None:
+    # Read the runs first and the locks second: a claim takes its lock before its UPDATE,
+    # so every lease seen here that still has a live owner shows in the lock table read next.
+    running = list(
+        Run.objects.filter(status=RunStatus.RUNNING).values_list(
+            "id", "lease_token", "lease_expires_at", "lease_owner", "heartbeat_at"
+        )[:limit]
+    )
+    if not running:
+        return
+    alive = leases.live_owners([r[0] for r in running])
+    now = _db_now()
+    dead = []
+    for run_id, token, expires, owner, heartbeat in running:
+        gone = str(run_id) not in alive
+        expired = expires is not None and expires < now
+        if gone or expired:
+            dead.append(
+                (run_id, token, owner, heartbeat, "process gone" if gone else "lease expired")
+            )
+    for run_id, token, owner, heartbeat, why in dead:
+        fault("sweep", run=run_id)
+        with transaction.atomic():
+            updated = Run.objects.filter(
+                pk=run_id, lease_token=token, status=RunStatus.RUNNING
+            ).update(
+                status=RunStatus.QUEUED,
+                lease_token=F("lease_token") + 1,
+                lease_owner="",
+                lease_expires_at=None,
+                lost_heartbeat_at=Coalesce("heartbeat_at", "claimed_at"),
+                rung_at=Now(),
+                updated_at=Now(),
+            )
+            if not updated:
+                continue  # it moved on meanwhile: claimed, finished, or another sweeper
+            Event.objects.create(
+                run_id=run_id,
+                kind=EventKind.LEASE_LOST,
+                worker=owner,
+                reason=why,
+                data=canonical.dumps(
+                    {"heartbeat_at": heartbeat.isoformat() if heartbeat else None}
+                ).decode(),
+            )
+            dispatch.ring(run_id)
+        report.recovered.append(str(run_id))
+
+
+def _pick(query: Q, limit: int) -> list:
+    return list(
+        Run.objects.select_for_update(skip_locked=True)
+        .filter(query)
+        .values_list("id", flat=True)[:limit]
+    )
+
+
+def _wake_timers(report: SweepReport, limit: int) -> None:
+    with transaction.atomic():
+        due = _pick(
+            Q(status=RunStatus.WAITING, wait_reason__in=TIMED_WAITS, wake_at__lte=Now()), limit
+        )
+        _queue_waiting(due)
+    report.timers.extend(str(r) for r in due)
+
+
+def _queue_waiting(run_ids: list) -> None:
+    """Inside the caller's transaction: waiting runs whose wait is over go back to the
+    queue, and the doorbell rings for each once it commits."""
+    if not run_ids:
+        return
+    Run.objects.filter(pk__in=run_ids, status=RunStatus.WAITING).update(
+        status=RunStatus.QUEUED,
+        wait_reason=WaitReason.NONE,
+        wait_detail="",
+        rung_at=Now(),
+        updated_at=Now(),
+    )
+    for run_id in run_ids:
+        dispatch.ring(run_id)
+
+
+def _wake_parents(report: SweepReport, limit: int) -> None:
+    """Parents waiting on child runs that have all finished: the wake-up a worker that died
+    right after its child's last commit never delivered."""
+    from durability.models import FINISHED
+
+    with transaction.atomic():
+        waiting = _pick(Q(status=RunStatus.WAITING, wait_reason=WaitReason.CHILDREN), limit)
+        done = [
+            run_id
+            for run_id in waiting
+            if not Run.objects.filter(parent_run_id=run_id).exclude(status__in=FINISHED).exists()
+        ]
+        _queue_waiting(done)
+    report.timers.extend(str(r) for r in done)
+
+
+def _expire_approvals(report: SweepReport, limit: int) -> None:
+    from durability.operations import expire_approvals
+
+    report.approvals.extend(expire_approvals(limit))
+
+
+def _ring_forgotten(report: SweepReport, limit: int) -> None:
+    quiet = float(getattr(settings, "DURABILITY_REQUEUE_SECONDS", 10.0))
+    with transaction.atomic():
+        forgotten = _pick(
+            Q(status=RunStatus.QUEUED)
+            & (Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
+            & (Q(rung_at__isnull=True) | Q(rung_at__lt=leases.db_now_plus(-quiet))),
+            limit,
+        )
+        if not forgotten:
+            return
+        Run.objects.filter(pk__in=forgotten).update(rung_at=Now())
+        for run_id in forgotten:
+            dispatch.ring(run_id)
+    report.rung.extend(str(r) for r in forgotten)

@@ -1,0 +1,175 @@
+"""Retention and compaction, per agent, run by beat (and ``durability prune``).
+
+- A finished run is deleted ``keep_days`` after it ended (its checkpoints, journal, effects,
+  approvals, messages and events with it).
+- With ``keep_checkpoints="snapshots"``, a finished run's checkpoints older than
+  ``compact_after_days`` that carry no snapshot are removed; the first checkpoint kept after
+  each removed stretch gets a snapshot of its own and remembers its removed parent's chain
+  hash, so that every checkpoint left rebuilds to exactly the state it did before and still
+  verifies. A run is verified before (a run that does not verify is left alone) and after
+  (in the same transaction: a compaction that would break anything is rolled back).
+
+Nothing here touches a run that is queued, running or waiting, a run on legal hold, or a
+run whose parent or children are still going.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from durability import canonical, checkpoints
+from durability.agents import registry
+from durability.errors import IntegrityViolation
+from durability.integrity import verify_run
+from durability.models import (
+    FINISHED,
+    Checkpoint,
+    Event,
+    EventKind,
+    Mutation,
+    Run,
+    Snapshot,
+)
+
+
+@dataclass
+class PruneReport:
+    dry_run: bool
+    runs_deleted: list[str] = field(default_factory=list)
+    compacted: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        verb = "would " if self.dry_run else ""
+        out = [f"{verb}delete run {r}" for r in self.runs_deleted]
+        out += [
+            f"{verb}compact run {r}: {n} checkpoint(s) removed" for r, n in self.compacted.items()
+        ]
+        out += [f"left run {r} alone: {why}" for r, why in self.skipped.items()]
+        return out
+
+
+def _prunable() -> Q:
+    return Q(status__in=FINISHED, legal_hold=False)
+
+
+def _family_done(run: Run) -> bool:
+    if (
+        run.parent_run_id
+        and not Run.objects.filter(pk=run.parent_run_id, status__in=FINISHED).exists()
+    ):
+        return False
+    return not Run.objects.filter(parent_run=run).exclude(status__in=FINISHED).exists()
+
+
+def prune(*, dry_run: bool = False, now: Any = None, limit: int = 1000) -> PruneReport:
+    now = now or timezone.now()
+    report = PruneReport(dry_run=dry_run)
+    for agent in registry.all():
+        if agent.keep_days is not None:
+            cutoff = now - timedelta(days=agent.keep_days)
+            old = Run.objects.filter(_prunable(), agent=agent.name, finished_at__lt=cutoff)
+            for run in old.order_by("finished_at")[:limit]:
+                if not _family_done(run):
+                    report.skipped[str(run.id)] = "a parent or child run is still going"
+                    continue
+                report.runs_deleted.append(str(run.id))
+                if not dry_run:
+                    _delete(run)
+        if agent.keep_checkpoints == "snapshots":
+            cutoff = now - timedelta(days=agent.compact_after_days)
+            candidates = Run.objects.filter(_prunable(), agent=agent.name).exclude(
+                pk__in=report.runs_deleted
+            )
+            for run in candidates[:limit]:
+                removable = _removable(run, cutoff)
+                if not removable:
+                    continue
+                if not verify_run(run.id).ok:
+                    report.skipped[str(run.id)] = "it does not verify; compaction would hide that"
+                    continue
+                report.compacted[str(run.id)] = len(removable)
+                if not dry_run:
+                    _compact(run, removable)
+    return report
+
+
+def _delete(run: Run) -> None:
+    with transaction.atomic():
+        tree, frontier = [run.id], [run.id]
+        while frontier:  # child runs go with their parent
+            frontier = list(
+                Run.objects.filter(parent_run_id__in=frontier).values_list("id", flat=True)
+            )
+            tree.extend(frontier)
+        # Checkpoints protect their parents: unlink them before the cascade.
+        Checkpoint.objects.filter(run_id__in=tree).update(parent=None)
+        run.delete()
+
+
+def _removable(run: Run, cutoff: Any) -> list[int]:
+    """Checkpoint ids that compaction may remove: older than the cutoff, not the head, no
+    snapshot of their own."""
+    snapshot_ids = set(
+        Snapshot.objects.filter(checkpoint__run=run).values_list("checkpoint_id", flat=True)
+    )
+    return [
+        cp_id
+        for cp_id, seq in Checkpoint.objects.filter(run=run, created_at__lt=cutoff)
+        .order_by("seq")
+        .values_list("id", "seq")
+        if seq != run.head_seq and cp_id not in snapshot_ids
+    ]
+
+
+def _compact(run: Run, removable: list[int]) -> None:
+    gone = set(removable)
+    with transaction.atomic():
+        cps = {cp.id: cp for cp in Checkpoint.objects.filter(run=run)}
+        survivors = [cp for cp in cps.values() if cp.id not in gone]
+        # A survivor whose parent goes: snapshot it and link it to the nearest survivor up.
+        for cp in survivors:
+            if cp.parent_id not in gone:
+                continue
+            if not Snapshot.objects.filter(checkpoint=cp).exists():
+                state, data, _ = checkpoints.verified_state(cp)
+                Snapshot.objects.create(checkpoint=cp, state=data.decode())
+            ancestor = cps[cp.parent_id]
+            parent_chain = cp.parent_chain or ancestor.chain_hash
+            while ancestor is not None and ancestor.id in gone:
+                ancestor = cps.get(ancestor.parent_id) if ancestor.parent_id else None
+            Checkpoint.objects.filter(pk=cp.pk).update(parent=ancestor, parent_chain=parent_chain)
+        Checkpoint.objects.filter(pk__in=gone).update(parent=None)
+        Mutation.objects.filter(checkpoint_id__in=gone).delete()
+        Checkpoint.objects.filter(pk__in=gone).delete()
+        report = verify_run(run.id)
+        if not report.ok:
+            raise IntegrityViolation(
+                f"compaction would break checkpoint #{report.first_bad[0]}: rolled back",
+                run_id=run.id,
+            )
+        Event.objects.create(
+            run=run,
+            kind=EventKind.COMPACTED,
+            seq=run.head_seq,
+            actor="retention",
+            data=canonical.dumps({"removed": len(gone)}).decode(),
+        )
+
+
+def hold(ref: Any, *, on: bool = True, by: str = "", reason: str = "") -> Run:
+    """Put a run on legal hold (never pruned or compacted) or release it."""
+    from durability.operations import _event, _locked
+
+    with transaction.atomic():
+        run = _locked(ref)
+        Run.objects.filter(pk=run.pk).update(legal_hold=on)
+        run.legal_hold = on
+        _event(run, EventKind.HOLD, by=by, reason=reason, data={"hold": on})
+    return run

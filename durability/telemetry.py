@@ -1,0 +1,307 @@
+"""Traces and metrics of runs, steps, calls, effects and checkpoint commits.
+
+The engine speaks only the OpenTelemetry *API*; whoever runs it installs an SDK (see
+``config/telemetry.py``: only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or a sibling is set).
+Without one, every helper here returns at its first line, so tracing off costs a function
+call per step.
+
+One run is one trace, whatever process executes it: the context of the request or command
+that started the run is stored on the run (``Run.trace_parent``), every execution span is
+parented there, and an execution that resumes after another one links to it
+(``Run.trace_exec``), so a recovery after a SIGKILL can be followed to the attempt that died.
+State contents never go on spans: sizes, hashes, keys and names only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from functools import lru_cache
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_propagator = TraceContextTextMapPropagator()
+_NULL = nullcontext()
+
+
+def enabled() -> bool:
+    """True once an SDK tracer provider is installed in this process."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+_tracers: dict[int, trace.Tracer] = {}
+
+
+def tracer() -> trace.Tracer:
+    # get_tracer builds a new tracer (and checks its arguments) on every call: once per
+    # provider is enough.
+    provider = trace.get_tracer_provider()
+    found = _tracers.get(id(provider))
+    if found is None:
+        found = _tracers[id(provider)] = provider.get_tracer("durability")
+    return found
+
+
+def current_traceparent() -> str:
+    """The W3C traceparent of the active span, or "" when nothing is being traced."""
+    span = trace.get_current_span()
+    if not span.get_span_context().is_valid:
+        return ""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def _context_of(traceparent: str) -> otel_context.Context | None:
+    if not traceparent:
+        return None
+    return _propagator.extract({"traceparent": traceparent})
+
+
+def _span_context_of(traceparent: str) -> trace.SpanContext | None:
+    ctx = _context_of(traceparent)
+    if ctx is None:
+        return None
+    span_context = trace.get_current_span(ctx).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+# --- spans ---------------------------------------------------------------------------------------
+
+
+@contextmanager
+def execution(run: Any, worker: str, previous_exec: str) -> Iterator[Any]:
+    """The span of one execution of a run on a worker: a child of the span that started the
+    run (or of the delivering task, when it is in that same trace), linked to the previous
+    execution of the run."""
+    if not enabled():
+        yield None
+        return
+    current = trace.get_current_span().get_span_context()
+    started = _span_context_of(run.trace_parent)
+    links = []
+    parent = None
+    if started is not None and (not current.is_valid or current.trace_id != started.trace_id):
+        parent = _context_of(run.trace_parent)
+        if current.is_valid:
+            links.append(Link(current, {"durability.link": "delivery"}))
+    previous = _span_context_of(previous_exec)
+    if previous is not None:
+        links.append(Link(previous, {"durability.link": "previous_execution"}))
+    with tracer().start_as_current_span(
+        f"run {run.agent}",
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        links=links,
+        attributes={
+            "durability.run.id": str(run.id),
+            "durability.agent.name": run.agent,
+            "durability.agent.version": run.agent_version,
+            "durability.run.attempt": run.attempts,
+            "durability.worker": worker,
+            "durability.checkpoint.seq": run.head_seq,
+        },
+    ) as span:
+        yield span
+
+
+def step(name: str, seq: int, attempt: int):
+    if not enabled():
+        return _NULL
+    return tracer().start_as_current_span(
+        f"step {name}",
+        attributes={
+            "durability.step.name": name,
+            "durability.checkpoint.base_seq": seq,
+            "durability.step.attempt": attempt,
+        },
+    )
+
+
+def call(key: str, function: str, kind: str):
+    if not enabled():
+        return _NULL
+    return tracer().start_as_current_span(
+        f"call {key}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "durability.call.key": key,
+            "durability.call.function": function,
+            "durability.call.kind": kind,
+        },
+    )
+
+
+def describe_result(span: Any, value: Any) -> None:
+    """GenAI semantic-convention attributes when a call's result looks like a completion."""
+    if span is None or not isinstance(value, dict):
+        return
+    usage = value.get("usage")
+    model = value.get("model")
+    if not isinstance(usage, dict) and not model:
+        return
+    span.set_attribute("gen_ai.operation.name", "chat")
+    span.set_attribute("gen_ai.system", str(value.get("system") or "openai"))
+    if model:
+        span.set_attribute("gen_ai.request.model", str(model))
+        span.set_attribute("gen_ai.response.model", str(model))
+    if isinstance(usage, dict):
+        tokens_in = usage.get("prompt_tokens", usage.get("input_tokens"))
+        tokens_out = usage.get("completion_tokens", usage.get("output_tokens"))
+        if isinstance(tokens_in, int):
+            span.set_attribute("gen_ai.usage.input_tokens", tokens_in)
+        if isinstance(tokens_out, int):
+            span.set_attribute("gen_ai.usage.output_tokens", tokens_out)
+
+
+def effect(key: str, idempotency_key: str, function: str):
+    if not enabled():
+        return _NULL
+    return tracer().start_as_current_span(
+        f"effect {key}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "durability.effect.key": key,
+            "durability.effect.idempotency_key": idempotency_key,
+            "durability.effect.function": function,
+        },
+    )
+
+
+def commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool):
+    if not enabled():
+        return _NULL
+    return tracer().start_as_current_span(
+        "checkpoint commit",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "durability.run.id": str(run_id),
+            "durability.checkpoint.seq": seq,
+            "durability.checkpoint.kind": "snapshot" if snapshot else "delta",
+            "durability.checkpoint.bytes": size,
+            "durability.checkpoint.delta_bytes": delta,
+        },
+    )
+
+
+def approval_wait(name: str, requested_at: Any, decided_at: Any, approved: bool) -> None:
+    """A span covering the time a run waited for a person, drawn when the run resumes."""
+    if not enabled() or requested_at is None or decided_at is None:
+        return
+    start_ns = int(requested_at.timestamp() * 1e9)
+    end_ns = int(decided_at.timestamp() * 1e9)
+    span = tracer().start_span(
+        f"approval {name}",
+        start_time=start_ns,
+        attributes={"durability.approval.name": name, "durability.approval.approved": approved},
+    )
+    span.end(end_time=max(end_ns, start_ns))
+    instruments().approval_wait.record(max(0.0, (end_ns - start_ns) / 1e9))
+
+
+def note(name: str, **attributes: Any) -> None:
+    """An event on the active span (lease lost, recovered, suspended...)."""
+    if not enabled():
+        return
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    trace.get_current_span().add_event(name, clean)
+
+
+def set_attributes(span: Any, **attributes: Any) -> None:
+    if span is None:
+        return
+    for key, value in attributes.items():
+        if value is not None:
+            span.set_attribute(key, value)
+
+
+def failed(span: Any, error: BaseException | str) -> None:
+    if span is None:
+        return
+    span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+class Instruments:
+    def __init__(self) -> None:
+        meter = metrics.get_meter("durability")
+        self.commit_duration = meter.create_histogram(
+            "durability.checkpoint.commit.duration",
+            unit="s",
+            description="Latency of checkpoint commits, fencing check and flush included",
+        )
+        self.commits = meter.create_counter(
+            "durability.checkpoint.commits", description="Checkpoints committed"
+        )
+        self.commit_failures = meter.create_counter(
+            "durability.checkpoint.commit.failures",
+            description="Checkpoint commits that failed (the database did not answer)",
+        )
+        self.recoveries = meter.create_counter(
+            "durability.recoveries", description="Runs taken over from a worker that died"
+        )
+        self.recovery_duration = meter.create_histogram(
+            "durability.recovery.duration",
+            unit="s",
+            description="From the lost attempt's last sign of life to the run's next claim",
+        )
+        self.work_lost = meter.create_histogram(
+            "durability.recovery.work_lost",
+            unit="s",
+            description="From the last checkpoint to the failure (the recovery point)",
+        )
+        self.in_doubt = meter.create_up_down_counter(
+            "durability.effects.in_doubt", description="Effects whose outcome is unknown"
+        )
+        self.duplicates_prevented = meter.create_counter(
+            "durability.effects.duplicates_prevented",
+            description="Effects a re-run found done and did not repeat",
+        )
+        self.approval_wait = meter.create_histogram(
+            "durability.approval.wait", unit="s", description="Time runs waited for a decision"
+        )
+        self.runs_finished = meter.create_counter(
+            "durability.runs.finished", description="Runs that ended, by final status"
+        )
+
+
+@lru_cache(maxsize=1)
+def _instruments() -> Instruments:
+    return Instruments()
+
+
+def instruments() -> Instruments:
+    return _instruments()
+
+
+def record_commit(agent: str, seconds: float) -> None:
+    if not enabled():
+        return
+    attrs = {"durability.agent.name": agent}
+    m = instruments()
+    m.commits.add(1, attrs)
+    m.commit_duration.record(seconds, attrs)
+
+
+def count(name: str, value: float = 1, **attributes: Any) -> None:
+    if not enabled():
+        return
+    getattr(instruments(), name).add(value, attributes)
+
+
+def observe(name: str, value: float, **attributes: Any) -> None:
+    if not enabled():
+        return
+    getattr(instruments(), name).record(value, attributes)
+
+
+def monotonic_ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
