@@ -1,0 +1,54 @@
+"""A worker announces the agent versions it can run, and listens on a queue of its own, so
+that a run goes only to a worker able to continue it (durability.presence)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from django.conf import settings
+from django.db import connection
+
+log = logging.getLogger(__name__)
+
+_stop = threading.Event()
+_name: list[str] = []
+
+
+def direct_queue(node: str) -> str:
+    return f"{settings.CELERY_TASK_DEFAULT_QUEUE}.w.{node}"
+
+
+def start(node: str) -> None:
+    """In the main worker process once it is ready: announce now, then keep announcing."""
+    from durability import presence
+
+    _name[:] = [node]
+    _stop.clear()
+    presence.announce(node)
+    interval = float(getattr(settings, "DURABILITY_PRESENCE_SECONDS", 15.0))
+
+    def renew() -> None:
+        try:
+            while not _stop.wait(interval):
+                try:
+                    presence.announce(node)
+                except Exception:  # the database is away: the next round tries again
+                    log.warning("could not renew the presence of %s", node, exc_info=True)
+                    connection.close()
+        finally:
+            connection.close()
+
+    threading.Thread(target=renew, name="presence", daemon=True).start()
+
+
+def stop() -> None:
+    """Shutting down: stop announcing and withdraw, so no run is routed here any more."""
+    from durability import presence
+
+    _stop.set()
+    if _name:
+        try:
+            presence.withdraw(_name[0])
+        except Exception:
+            log.warning("could not withdraw the presence of %s", _name[0], exc_info=True)

@@ -1,0 +1,81 @@
+"""Graceful SIGTERM for workers that execute long runs.
+
+A run's task loops over steps, so Celery's warm shutdown ("finish the current task") could
+wait for a whole run. Instead the worker finishes the current step, hands the run back to
+the queue and returns. A step still running after the grace period is abandoned (``Abandon``
+is raised in it), and the run is handed back all the same; another worker resumes it from
+its last checkpoint.
+
+Two paths lead here: SIGTERM to the main process (Celery's warm shutdown; the flag is
+shared with the pool's children through memory inherited across fork) and SIGTERM to a
+child directly (systemd and process-group kills).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+from django.conf import settings
+
+from durability.errors import Abandon
+
+_shared = None  # a multiprocessing.Value made by the main process before the pool forks
+_local = threading.Event()
+_in_step = threading.Event()
+_installed = False
+
+
+def prepare() -> None:
+    """In the main worker process, before the pool starts."""
+    global _shared
+    _shared = multiprocessing.Value("b", 0, lock=False)
+
+
+def announce() -> None:
+    """In the main worker process, when Celery begins a warm shutdown."""
+    _local.set()
+    if _shared is not None:
+        _shared.value = 1
+
+
+def requested() -> bool:
+    return _local.is_set() or (_shared is not None and bool(_shared.value))
+
+
+def install_child_handler() -> None:
+    """In a pool child, before its first task: billiard resets SIGTERM to "exit now" after
+    the process initialiser, so this is installed at task start instead."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGUSR2, _on_grace_over)
+    _installed = True
+
+
+def _on_term(signum, frame) -> None:
+    if _local.is_set():
+        return
+    _local.set()
+    grace = float(getattr(settings, "DURABILITY_SHUTDOWN_GRACE_SECONDS", 10.0))
+    timer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGUSR2))
+    timer.daemon = True
+    timer.start()
+
+
+def _on_grace_over(signum, frame) -> None:
+    if _in_step.is_set():
+        raise Abandon("the step did not finish within the shutdown grace period")
+
+
+class executing:  # noqa: N801 - used as a context manager
+    """Marks the span during which ``Abandon`` may be raised into the task."""
+
+    def __enter__(self) -> None:
+        _in_step.set()
+
+    def __exit__(self, *exc: object) -> None:
+        _in_step.clear()

@@ -1,0 +1,44 @@
+"""Thin Celery tasks: take an id, call the engine."""
+
+from __future__ import annotations
+
+import os
+
+from celery import shared_task
+
+from durability import executor, recovery
+from durability.faults import fault
+from workers import shutdown
+
+
+@shared_task(
+    name="durability.execute_run",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+)
+def execute_run(self, run_id: str) -> str:
+    worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
+    with shutdown.executing():
+        outcome = executor.execute(run_id, worker=worker, should_stop=shutdown.requested)
+    fault("before_ack", run=run_id, outcome=outcome)
+    return str(outcome)
+
+
+@shared_task(name="durability.sweep", ignore_result=True)
+def sweep() -> dict:
+    report = recovery.sweep()
+    return {
+        "recovered": len(report.recovered),
+        "timers": len(report.timers),
+        "rung": len(report.rung),
+    }
+
+
+@shared_task(name="durability.prune", ignore_result=True)
+def prune() -> dict:
+    from durability.retention import prune as apply_retention
+
+    report = apply_retention()
+    return {"deleted": len(report.runs_deleted), "compacted": len(report.compacted)}
