@@ -1,0 +1,35 @@
+"""Login for every dashboard page, htmx-aware.
+
+Applied per view (dashboard/urls.py wraps every pattern) rather than as a global middleware, so
+endpoints that other apps expose for machines (a metrics scrape, a health check) are not
+sent to a sign-in page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import resolve_url
+from django_htmx.http import HttpResponseClientRedirect
+
+
+def login_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Like Django's, except that an htmx request (a poll, a panel) whose session expired
+    sends the whole page to the sign-in form instead of swapping the form into a fragment."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if request.user.is_authenticated:
+            return view(request, *args, **kwargs)
+        htmx = getattr(request, "htmx", None)
+        here = (htmx.current_url_abs_path if htmx else None) or request.get_full_path()
+        response = redirect_to_login(here, resolve_url(settings.LOGIN_URL))
+        if htmx:
+            return HttpResponseClientRedirect(response["Location"])
+        return response
+
+    return wrapper

@@ -1,0 +1,214 @@
+"""The runs list: filters, search, status counts and keyset pagination.
+
+Keyset, not OFFSET: the next page starts after the last row shown (created_at, id), so page
+500 costs what page 1 costs, with 100,000 runs or ten million."""
+
+from __future__ import annotations
+
+import base64
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection
+from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from durability.models import Approval, ApprovalStatus, Checkpoint, Event, Run, RunStatus
+
+SINCE = {
+    "1h": timedelta(hours=1),
+    "24h": timedelta(hours=24),
+    "7d": timedelta(days=7),
+    "30d": timedelta(days=30),
+}
+PAGE_SIZE = 50
+_HEX = re.compile(r"^[0-9a-f]{4,32}$")
+
+
+@dataclass
+class Filters:
+    agent: str = ""
+    status: str = ""
+    since: str = ""
+    q: str = ""
+
+    def as_query(self, **extra: str) -> dict[str, str]:
+        values = {"agent": self.agent, "status": self.status, "since": self.since, "q": self.q}
+        values.update(extra)
+        return {k: v for k, v in values.items() if v}
+
+
+def id_prefix_range(text: str) -> tuple[uuid.UUID, uuid.UUID | None] | None:
+    """A run id prefix as a range of UUIDs, so the search walks the primary key index
+    instead of casting every id to text."""
+    hexed = text.strip().lower().replace("-", "")
+    if not _HEX.match(hexed):
+        return None
+    shift = 4 * (32 - len(hexed))
+    low = int(hexed, 16) << shift
+    high = (int(hexed, 16) + 1) << shift
+    return uuid.UUID(int=low), (uuid.UUID(int=high) if high < 1 << 128 else None)
+
+
+def filtered(f: Filters, *, with_status: bool = True) -> QuerySet[Run]:
+    runs = Run.objects.all()
+    if f.agent:
+        runs = runs.filter(agent=f.agent)
+    if with_status and f.status:
+        runs = runs.filter(status=f.status)
+    if f.since in SINCE:
+        runs = runs.filter(created_at__gte=timezone.now() - SINCE[f.since])
+    if f.q:
+        by_id = id_query(f.q)
+        # An id prefix walks the primary key; text in the input needs a scan, so it is the
+        # fallback when no run id starts with what was typed.
+        if by_id is not None and Run.objects.filter(by_id).exists():
+            runs = runs.filter(by_id)
+        else:
+            runs = runs.filter(input__icontains=f.q)
+    return runs
+
+
+def id_query(text: str) -> Q | None:
+    bounds = id_prefix_range(text)
+    if bounds is None:
+        return None
+    low, high = bounds
+    return Q(id__gte=low) & (Q(id__lt=high) if high is not None else Q())
+
+
+def is_text_search(f: Filters) -> bool:
+    by_id = id_query(f.q) if f.q else None
+    return bool(f.q) and (by_id is None or not Run.objects.filter(by_id).exists())
+
+
+def encode_cursor(run: Run) -> str:
+    raw = f"{run.created_at.isoformat()}|{run.id}"
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> tuple[datetime, uuid.UUID] | None:
+    if not text:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        when, ident = raw.split("|", 1)
+        at = parse_datetime(when)
+        return (at, uuid.UUID(ident)) if at is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+@dataclass
+class RunsPage:
+    rows: list[Run]
+    next_cursor: str = ""
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _annotated(runs: QuerySet[Run]) -> QuerySet[Run]:
+    head = Checkpoint.objects.filter(run=OuterRef("pk"), seq=OuterRef("head_seq"))
+    pending = Approval.objects.filter(run=OuterRef("pk"), status=ApprovalStatus.PENDING).order_by(
+        "requested_at"
+    )
+    return (
+        runs.order_by("-created_at", "-id")
+        .defer("input", "error")
+        .annotate(
+            state_size=Subquery(head.values("size")[:1]),
+            approval_name=Subquery(pending.values("name")[:1]),
+            approval_since=Subquery(pending.values("requested_at")[:1]),
+        )
+    )
+
+
+def page(f: Filters, cursor: str = "", size: int = PAGE_SIZE) -> RunsPage:
+    after = decode_cursor(cursor)
+    if connection.vendor == "postgresql" and is_text_search(f):
+        return _text_page(f, after, size)
+    runs = filtered(f)
+    if after is not None:
+        at, ident = after
+        # The first condition lets the created_at index bound the scan; the second breaks
+        # ties between runs created in the same microsecond.
+        runs = runs.filter(Q(created_at__lte=at) & (Q(created_at__lt=at) | Q(id__lt=ident)))
+    rows = list(_annotated(runs)[: size + 1])
+    more = len(rows) > size
+    rows = rows[:size]
+    return RunsPage(rows, encode_cursor(rows[-1]) if more and rows else "", counts(f))
+
+
+def _text_page(f: Filters, after: tuple[datetime, uuid.UUID] | None, size: int) -> RunsPage:
+    """Text in the input can use no index: the status counts and the page come from one
+    scan of the matching runs (materialized once) instead of one scan each."""
+    matching = filtered(f, with_status=False).order_by().values_list("id", "status", "created_at")
+    sql, params = matching.query.sql_with_params()
+    conditions, extra = [], []
+    if f.status:
+        conditions.append("status = %s")
+        extra.append(f.status)
+    if after is not None:
+        conditions.append("(created_at, id) < (%s, %s)")
+        extra += [after[0], after[1]]
+    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+    query = (
+        f"WITH m AS MATERIALIZED ({sql})"
+        " SELECT status, count(*)::int, NULL::uuid FROM m GROUP BY status"
+        f" UNION ALL (SELECT NULL, NULL, id FROM m {where}"
+        f" ORDER BY created_at DESC, id DESC LIMIT {int(size) + 1})"
+    )
+    with connection.cursor() as cur:
+        cur.execute(query, [*params, *extra])
+        found = cur.fetchall()
+    tally = {status: n for status, n, _ in found if status is not None}
+    ids = [ident for status, _, ident in found if status is None]
+    rows = list(_annotated(Run.objects.filter(pk__in=ids[:size])))
+    more = len(ids) > size
+    return RunsPage(
+        rows,
+        encode_cursor(rows[-1]) if more and rows else "",
+        {status: tally.get(status, 0) for status in RunStatus.values},
+    )
+
+
+def counts(f: Filters) -> dict[str, int]:
+    found = dict(
+        filtered(f, with_status=False)
+        .order_by()
+        .values_list("status")
+        .annotate(n=Count("id"))
+        .values_list("status", "n")
+    )
+    return {status: found.get(status, 0) for status in RunStatus.values}
+
+
+def change_token() -> str:
+    """Cheap signal that something changed in any run: every state change writes an event,
+    and the newest event id is one index probe."""
+    newest = Event.objects.aggregate(m=Max("id"))["m"] or 0
+    return str(newest)
+
+
+def agents_in_use() -> list[str]:
+    from durability.agents import registry
+
+    return sorted({a.name for a in registry.all()})
+
+
+def parse_filters(data: Any) -> Filters:
+    status = data.get("status", "")
+    since = data.get("since", "")
+    return Filters(
+        agent=(data.get("agent") or "").strip()[:200],
+        status=status if status in RunStatus.values else "",
+        since=since if since in SINCE else "",
+        q=(data.get("q") or "").strip()[:200],
+    )

@@ -1,0 +1,479 @@
+"""A run's timeline: events, journaled calls and effects merged in time order.
+
+The sources are append-only (events, journal entries, effect intents; an effect's outcome is
+shown as its own item when it completes), so a page that polls asks only for what came after
+its cursor and appends it: nothing already on the screen is replaced, and nothing the reader
+opened or scrolled to moves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from durability.models import (
+    CallKind,
+    Effect,
+    EffectStatus,
+    Event,
+    EventKind,
+    JournalEntry,
+    Run,
+)
+
+PAGE = 100
+
+# Kinds shown small: bookkeeping an operator rarely needs, kept for the full story.
+QUIET = {EventKind.CLAIMED, EventKind.RELEASED, EventKind.COMMIT_LATENCY}
+ALERT = {
+    "alarm",
+    EventKind.LEASE_LOST,
+    EventKind.FAILED,
+    EventKind.EFFECT_IN_DOUBT,
+    EventKind.COMMIT_FAILED,
+    EventKind.INTEGRITY,
+}
+
+
+@dataclass
+class Cursor:
+    """The last item of each source a page has; the next poll asks for what is newer."""
+
+    event: int = 0
+    call: int = 0
+    effect: int = 0
+    done_at: str = ""  # completion time of the newest finished effect shown, ISO
+    done_id: int = 0
+
+    def encode(self) -> str:
+        return f"{self.event}.{self.call}.{self.effect}.{self.done_id}.{self.done_at}"
+
+    @classmethod
+    def decode(cls, text: str) -> Cursor | None:
+        parts = (text or "").split(".", 4)
+        if len(parts) != 5:
+            return None
+        try:
+            return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[4], int(parts[3]))
+        except ValueError:
+            return None
+
+
+@dataclass
+class Item:
+    at: datetime
+    order: int  # ties at the same instant: events after the calls that led to them
+    ident: int
+    source: str  # "event" | "call" | "effect" | "effect_done"
+    kind: str
+    title: str
+    detail: str = ""
+    seq: int | None = None
+    step: str = ""
+    actor: str = ""
+    reason: str = ""
+    worker: str = ""
+    tone: str = ""  # "quiet" | "alert" | "operator" | "done" | ""
+    effect: Effect | None = None
+    facts: list[tuple[str, str]] = field(default_factory=list)
+    link_run: str = ""  # a fork's other run
+
+    @property
+    def key(self) -> tuple:
+        return (self.at, self.order, self.ident)
+
+
+def _data(text: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def human_ms(ms: Any) -> str:
+    if ms is None:
+        return "?"
+    try:
+        ms = float(ms)
+    except (TypeError, ValueError):
+        return "?"
+    if ms == 0:
+        return "0 ms"
+    if ms < 1:
+        return f"{ms:.2f} ms"
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+def human_bytes(n: Any) -> str:
+    try:
+        n = int(n)
+    except (TypeError, ValueError):
+        return "?"
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KB" if n < 10 * 1024 else f"{n // 1024} KB"
+    return f"{n / (1024 * 1024):.1f} MB"
+
+
+def _event_item(e: Event) -> Item:
+    d = _data(e.data)
+    item = Item(
+        e.created_at,
+        1,
+        e.id,
+        "event",
+        e.kind,
+        e.get_kind_display(),
+        seq=e.seq,
+        step=e.step,
+        actor=e.actor,
+        reason=e.reason,
+        worker=e.worker,
+    )
+    kind = e.kind
+    if kind == EventKind.CHECKPOINT:
+        item.title = f"checkpoint #{e.seq}"
+        item.detail = f"after {e.step}" if e.step else ""
+        if "bytes" in d:
+            item.facts.append(("state", human_bytes(d["bytes"])))
+        if "delta" in d:
+            item.facts.append(("patch", f"{human_bytes(d['delta'])}, {d.get('ops', '?')} ops"))
+        if d.get("upgraded_from") is not None:
+            item.facts.append(("upgraded from schema", str(d["upgraded_from"])))
+    elif kind == EventKind.CREATED:
+        item.detail = f"{d.get('agent', '')}@{d.get('version', '')}"
+    elif kind == EventKind.CLAIMED:
+        item.title = "claimed"
+        item.detail = f"by {e.worker}" if e.worker else ""
+        if d.get("attempt"):
+            item.facts.append(("attempt", str(d["attempt"])))
+    elif kind == EventKind.RETRY_SCHEDULED:
+        item.title = f"retry {d.get('retry', '')} scheduled"
+        item.detail = str(d.get("error", ""))
+        if "delay_s" in d:
+            item.facts.append(("in", human_ms(float(d["delay_s"]) * 1000)))
+    elif kind == EventKind.SUSPENDED:
+        item.title = "waiting"
+        item.detail = " ".join(str(x) for x in (d.get("reason", ""), d.get("detail", "")) if x)
+    elif kind == EventKind.LEASE_LOST:
+        item.title = "lease lost"
+        item.detail = f"worker {e.worker}: {e.reason}" if e.worker else e.reason
+    elif kind == EventKind.RECOVERED:
+        item.title = "recovered"
+        item.detail = f"on {e.worker}" if e.worker else ""
+        item.facts.append(("after", human_ms(d.get("recovery_ms"))))
+        item.facts.append(("work lost", human_ms(d.get("work_lost_ms"))))
+    elif kind == EventKind.APPROVAL_REQUESTED:
+        item.title = "approval requested"
+        item.detail = str(d.get("name", ""))
+    elif kind == EventKind.APPROVAL_DECIDED:
+        verdict = "approved" if d.get("approved") else "rejected"
+        edited = " with edits" if d.get("edited") else ""
+        timed_out = " (timed out)" if d.get("timeout") else ""
+        item.title = f"{d.get('name', 'approval')} {verdict}{edited}{timed_out}"
+    elif kind == "approval_escalated":
+        item.title = f"{d.get('name', 'approval')} escalated"
+        item.detail = f"to {d.get('to', '?')}"
+    elif kind == EventKind.EFFECT_IN_DOUBT:
+        item.title = "effect in doubt"
+        item.detail = str(d.get("key", ""))
+    elif kind == EventKind.EFFECT_RESOLVED:
+        item.title = f"effect {d.get('key', '')} resolved: {d.get('outcome', '')}"
+    elif kind == EventKind.ROLLBACK:
+        item.title = f"rolled back to #{d.get('to', '?')}"
+        item.detail = f"new head #{d.get('new_head', e.seq)}"
+        undone = d.get("done_not_undone") or []
+        if undone:
+            item.facts.append(("effects done, not undone", str(len(undone))))
+    elif kind == EventKind.FORK:
+        if "fork" in d:
+            item.title = f"forked from #{d.get('from', '?')}"
+            item.link_run = str(d["fork"])
+            item.detail = "into a new run" + (" with edited state" if d.get("edited") else "")
+        else:
+            item.title = f"fork of #{d.get('from', '?')}"
+            item.link_run = str(d.get("source", ""))
+            item.detail = "with edited state" if d.get("edited") else "same state"
+        if d.get("what_if"):
+            item.facts.append(
+                ("what-if", "effects run" if d.get("live") else "effects only recorded")
+            )
+    elif kind == "diverged":
+        item.title = "diverged from the source run"
+        item.detail = f"first new call: {d.get('key', '?')} (the calls before it were reused)"
+    elif kind == "spawned":
+        item.title = f"spawned a {d.get('agent', '')} child"
+        item.link_run = str(d.get("child", ""))
+        item.detail = str(d.get("key", ""))
+    elif kind == "child_finished":
+        item.title = f"child {d.get('status', 'finished')}"
+        item.link_run = str(d.get("child", ""))
+        item.detail = str(d.get("error", ""))
+    elif kind in ("message_received", "message_consumed"):
+        item.title = f"message {d.get('name', '')} {kind.rsplit('_', 1)[1]}"
+        if d.get("bytes") is not None:
+            item.facts.append(("size", human_bytes(d["bytes"])))
+    elif kind in ("alarm", EventKind.FAILED):
+        item.detail = e.reason
+    elif kind == EventKind.RESUMED:
+        item.detail = f"from {d.get('from', '?')}"
+    elif kind == EventKind.COMMIT_FAILED:
+        item.detail = f"{d.get('failed_commits', '?')} commit attempt(s) failed, then succeeded"
+    elif kind == EventKind.INTEGRITY:
+        item.detail = e.reason
+    if e.commit_us is not None and kind != EventKind.COMMIT_LATENCY:
+        item.facts.append(("previous commit", human_ms(e.commit_us / 1000)))
+    elif kind == EventKind.COMMIT_LATENCY:
+        item.title = "commit latency"
+        item.detail = human_ms((e.commit_us or 0) / 1000)
+    if e.actor:
+        item.tone = "operator"
+    elif kind in ALERT:
+        item.tone = "alert"
+    elif kind in QUIET:
+        item.tone = "quiet"
+    elif kind == EventKind.SUCCEEDED:
+        item.tone = "done"
+    return item
+
+
+def _call_item(j: JournalEntry) -> Item:
+    meta = _data(j.meta)
+    title = f"call {j.key}" if j.kind == CallKind.CALL else f"{j.get_kind_display()}()"
+    item = Item(
+        j.created_at,
+        0,
+        j.id,
+        "call",
+        j.kind,
+        title,
+        detail=j.function,
+        step=j.step,
+        tone="" if j.kind == CallKind.CALL else "quiet",
+    )
+    if j.reused_from is not None:
+        # A what-if fork: the source run's recorded answer, not a new call.
+        item.facts.append(("reused", "from the source run, not called again"))
+    elif j.kind == CallKind.CALL:
+        item.facts.append(("took", human_ms(j.duration_ms)))
+    if meta.get("model"):
+        item.facts.append(("model", str(meta["model"])))
+    tokens = [meta.get("input_tokens"), meta.get("output_tokens")]
+    if any(t is not None for t in tokens):
+        total = sum(int(t) for t in tokens if isinstance(t, int | float))
+        item.facts.append(("tokens", f"{total} ({tokens[0]} in, {tokens[1]} out)"))
+    if j.replays:
+        item.facts.append(("replayed", f"{j.replays}x"))
+    return item
+
+
+def _effect_item(f: Effect) -> Item:
+    item = Item(
+        f.created_at,
+        0,
+        f.id,
+        "effect",
+        f.status,
+        f"effect {f.key}",
+        detail=f.function,
+        step=f.step,
+        effect=f,
+        tone="alert" if f.status == EffectStatus.IN_DOUBT else "",
+    )
+    item.facts.append(("now", f.get_status_display()))
+    return item
+
+
+def _effect_done_item(f: Effect) -> Item:
+    item = Item(
+        f.completed_at,  # type: ignore[arg-type]
+        0,
+        f.id,
+        "effect_done",
+        f.status,
+        f"effect {f.key} done",
+        step=f.step,
+        effect=f,
+        tone="done",
+    )
+    if f.duplicates_prevented:
+        item.facts.append(("duplicates prevented", str(f.duplicates_prevented)))
+    if f.resolved_by:
+        item.actor = f.resolved_by
+        item.facts.append(("marked done by", f.resolved_by))
+    return item
+
+
+@dataclass
+class Page:
+    items: list[Item]
+    cursor: Cursor
+    earlier: str = ""  # ISO time to ask for older items; empty when there are none
+
+
+def _advance(cursor: Cursor, ev: list, jl: list, ef: list, done: list) -> Cursor:
+    """The cursor after the rows just read: derived from what was read, never from a second
+    query, so a row written in between is not skipped."""
+    moved = Cursor(
+        max([cursor.event, *(e.id for e in ev)]),
+        max([cursor.call, *(j.id for j in jl)]),
+        max([cursor.effect, *(f.id for f in ef)]),
+        cursor.done_at,
+        cursor.done_id,
+    )
+    finished = [(f.completed_at, f.id) for f in done if f.completed_at is not None]
+    if finished:
+        at, ident = max(finished)
+        moved.done_at, moved.done_id = at.isoformat(), ident
+    return moved
+
+
+def encode_before(item: Item) -> str:
+    return f"{item.at.isoformat()}|{item.order}|{item.ident}"
+
+
+def decode_before(text: str) -> tuple[datetime, int, int] | None:
+    from django.utils.dateparse import parse_datetime
+
+    parts = (text or "").split("|")
+    if len(parts) != 3:
+        return None
+    at = parse_datetime(parts[0])
+    try:
+        return (at, int(parts[1]), int(parts[2])) if at is not None else None
+    except ValueError:
+        return None
+
+
+def _older(field: str, order: int, before: tuple[datetime, int, int]):
+    """Rows of one source that sort before ``before`` by (time, order, id): a time alone
+    would lose the rows that share the boundary's instant."""
+    from django.db.models import Q
+
+    at, b_order, b_ident = before
+    if order < b_order:
+        same_instant = Q(**{field: at})
+    elif order == b_order:
+        same_instant = Q(**{field: at, "id__lt": b_ident})
+    else:
+        same_instant = Q(pk__in=[])
+    return Q(**{f"{field}__lt": at}) | same_instant
+
+
+def latest(run: Run, limit: int = PAGE, before: tuple[datetime, int, int] | None = None) -> Page:
+    """The newest ``limit`` items (older than ``before``), oldest first, and the cursor a
+    poll continues from."""
+    events = Event.objects.filter(run=run)
+    calls = JournalEntry.objects.filter(run=run).defer("result")
+    effects = Effect.objects.filter(run=run).defer("result", "args")
+    done_rows = Effect.objects.filter(
+        run=run, status=EffectStatus.DONE, completed_at__isnull=False
+    ).defer("result", "args")
+    cursor = Cursor()
+    if before is None:
+        # The cursor is read first and the page stops at it: a row written meanwhile is
+        # left for the next poll instead of being skipped by it.
+        cursor = current_cursor(run)
+        events = events.filter(id__lte=cursor.event)
+        calls = calls.filter(id__lte=cursor.call)
+        effects = effects.filter(id__lte=cursor.effect)
+        if cursor.done_at:
+            done_rows = done_rows.filter(completed_at__lte=cursor.done_at)
+        else:
+            done_rows = done_rows.none()
+    else:
+        events = events.filter(_older("created_at", 1, before))
+        calls = calls.filter(_older("created_at", 0, before))
+        effects = effects.filter(_older("created_at", 0, before))
+        done_rows = done_rows.filter(_older("completed_at", 0, before))
+    ev = list(events.order_by("-created_at", "-id")[: limit + 1])
+    jl = list(calls.order_by("-created_at", "-id")[: limit + 1])
+    ef = list(effects.order_by("-created_at", "-id")[: limit + 1])
+    done = list(done_rows.order_by("-completed_at", "-id")[: limit + 1])
+    items = [_event_item(e) for e in ev] + [_call_item(j) for j in jl]
+    items += [_effect_item(f) for f in ef] + [_effect_done_item(f) for f in done]
+    items.sort(key=lambda i: i.key)
+    more = len(items) > limit
+    items = items[-limit:]
+    earlier = encode_before(items[0]) if more and items else ""
+    return Page(items, cursor, earlier)
+
+
+def current_cursor(run: Run) -> Cursor:
+    from django.db.models import F, Max
+
+    # max(id + 0), not max(id): with only an index on run_id, PostgreSQL answers max(id) by
+    # walking the primary key backwards until it meets the run (18 ms on a big table,
+    # against 0.3 ms for the run's own rows). Events have an index on (run, id).
+    event = Event.objects.filter(run=run).aggregate(m=Max("id"))["m"] or 0
+    call = JournalEntry.objects.filter(run=run).aggregate(m=Max(F("id") + 0))["m"] or 0
+    effect = Effect.objects.filter(run=run).aggregate(m=Max(F("id") + 0))["m"] or 0
+    done = (
+        Effect.objects.filter(run=run, status=EffectStatus.DONE, completed_at__isnull=False)
+        .order_by("-completed_at", "-id")
+        .values_list("completed_at", "id")
+        .first()
+    )
+    if done is None:
+        return Cursor(event, call, effect)
+    return Cursor(event, call, effect, done[0].isoformat(), done[1])
+
+
+def newer(run: Run, cursor: Cursor) -> Page:
+    """Items that arrived after ``cursor``, oldest first (what a poll appends)."""
+    from django.db.models import Q
+    from django.utils.dateparse import parse_datetime
+
+    ev = list(Event.objects.filter(run=run, id__gt=cursor.event).order_by("id")[:PAGE])
+    jl = list(
+        JournalEntry.objects.filter(run=run, id__gt=cursor.call)
+        .defer("result")
+        .order_by("id")[:PAGE]
+    )
+    ef = list(
+        Effect.objects.filter(run=run, id__gt=cursor.effect)
+        .defer("result", "args")
+        .order_by("id")[:PAGE]
+    )
+    done = Effect.objects.filter(run=run, status=EffectStatus.DONE, completed_at__isnull=False)
+    since = parse_datetime(cursor.done_at) if cursor.done_at else None
+    if since is not None:
+        done = done.filter(Q(completed_at__gt=since) | Q(completed_at=since, id__gt=cursor.done_id))
+    finished = list(done.defer("result", "args").order_by("completed_at", "id")[:PAGE])
+    items = [_event_item(e) for e in ev] + [_call_item(j) for j in jl]
+    items += [_effect_item(f) for f in ef] + [_effect_done_item(f) for f in finished]
+    items.sort(key=lambda i: i.key)
+    return Page(items, _advance(cursor, ev, jl, ef, finished))
+
+
+def has_news(run: Run, cursor: Cursor) -> bool:
+    """Whether anything arrived after ``cursor``: a few index probes, for polls."""
+    from django.db.models import Q
+    from django.utils.dateparse import parse_datetime
+
+    if Event.objects.filter(run=run, id__gt=cursor.event).exists():
+        return True
+    if JournalEntry.objects.filter(run=run, id__gt=cursor.call).exists():
+        return True
+    if Effect.objects.filter(run=run, id__gt=cursor.effect).exists():
+        return True
+    done = Effect.objects.filter(run=run, status=EffectStatus.DONE, completed_at__isnull=False)
+    since = parse_datetime(cursor.done_at) if cursor.done_at else None
+    if since is not None:
+        done = done.filter(Q(completed_at__gt=since) | Q(completed_at=since, id__gt=cursor.done_id))
+    return done.exists()

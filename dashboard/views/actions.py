@@ -1,0 +1,389 @@
+"""Operator actions on a run: resume, cancel, roll back, fork, resolve an effect in doubt.
+
+Each view checks the role, validates the form, calls the engine (which re-checks everything
+under the run's lock, writes the change and its audit event together, and refuses with a
+coded error that changed nothing), then redirects to the run with what happened."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import messages
+from django.db import transaction
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.urls import reverse
+from django.views.decorators.http import require_http_methods, require_POST
+
+from dashboard import present, runinfo, states
+from dashboard.forms import ForkForm, ReasonForm, ResolveForm, RollbackForm, SendForm
+from dashboard.permissions import operator_required
+from dashboard.submissions import AlreadySubmitted, spend
+from dashboard.templatetags.dashboard import ago
+from dashboard.views.common import explain, page, status_for
+from durability import operations
+from durability.agents import registry
+from durability.errors import DurabilityError, InvalidInput, InvalidTransition
+from durability.models import FINISHED, Effect, Event, Message, Run
+from durability.redact import redact
+
+
+def _who(request: HttpRequest) -> str:
+    return request.user.get_username()
+
+
+def last_action(run: Run) -> str:
+    """Who did what to the run last, to tell a second operator why they were refused."""
+    event = Event.objects.filter(run=run).exclude(actor="").order_by("-id").first()
+    if event is None:
+        return ""
+    why = f": “{event.reason}”" if event.reason else ""
+    return (
+        f"Last operator action: {event.get_kind_display()} by {event.actor}"
+        f" {ago(event.created_at)}{why}."
+    )
+
+
+def refused(
+    request: HttpRequest,
+    run: Run | None,
+    message: str,
+    status: int,
+    *,
+    hint: str = "",
+    title: str = "Refused",
+) -> HttpResponse:
+    context = {
+        "title": title,
+        "message": message,
+        "hint": hint,
+        "back": reverse("dashboard:run", args=[run.id]) if run is not None else "",
+    }
+    return page(request, "dashboard/error.html", context, fragment="message", status=status)
+
+
+def _engine_refused(request: HttpRequest, run: Run, exc: DurabilityError) -> HttpResponse:
+    hint = last_action(run) if isinstance(exc, InvalidTransition) else ""
+    return refused(request, run, explain(exc), status_for(exc), hint=hint)
+
+
+def _duplicate(request: HttpRequest, run: Run, dup: AlreadySubmitted) -> HttpResponse:
+    first = dup.first
+    outcome = f" {first.outcome}" if first.outcome else ""
+    message = (
+        f"This form was already submitted by {first.username} {ago(first.created_at)};"
+        f" it was done once and is not done again.{outcome}"
+    )
+    return refused(request, run, message, 409, title="Already done")
+
+
+def _spend_if_given(token: Any, *, action: str, request: HttpRequest, run: Run) -> Any:
+    if token:
+        return spend(token, action=action, username=_who(request), run_id=run.id)
+    return None
+
+
+# --- resume and cancel ------------------------------------------------------------------------
+
+
+@require_POST
+@operator_required
+def resume(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    form = ReasonForm(request.POST, prefix="resume")
+    if not form.is_valid():
+        return refused(request, run, "the reason is too long (2,000 characters at most)", 422)
+    try:
+        with transaction.atomic():
+            sub = _spend_if_given(
+                form.cleaned_data["token"], action="resume", request=request, run=run
+            )
+            resumed = operations.resume(run, by=_who(request), reason=form.cleaned_data["reason"])
+            if sub is not None:
+                sub.outcome = "The run was resumed."
+                sub.save(update_fields=["outcome"])
+    except AlreadySubmitted as dup:
+        return _duplicate(request, run, dup)
+    except DurabilityError as exc:
+        return _engine_refused(request, run, exc)
+    messages.success(request, f"Resumed: queued again from checkpoint #{resumed.head_seq}.")
+    return redirect("dashboard:run", ref=str(run.id))
+
+
+@require_POST
+@operator_required
+def cancel(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    form = ReasonForm(request.POST, prefix="cancel", reason_required=True)
+    if not form.is_valid():
+        return refused(request, run, "say why you cancel the run (the audit log keeps it)", 422)
+    try:
+        with transaction.atomic():
+            sub = _spend_if_given(
+                form.cleaned_data["token"], action="cancel", request=request, run=run
+            )
+            operations.cancel(run, by=_who(request), reason=form.cleaned_data["reason"])
+            if sub is not None:
+                sub.outcome = "The run was cancelled."
+                sub.save(update_fields=["outcome"])
+    except AlreadySubmitted as dup:
+        return _duplicate(request, run, dup)
+    except DurabilityError as exc:
+        return _engine_refused(request, run, exc)
+    messages.success(request, "Cancelled. A worker still executing it stops at its next write.")
+    return redirect("dashboard:run", ref=str(run.id))
+
+
+# --- roll back --------------------------------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+@operator_required
+def rollback(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    if request.method == "POST":
+        return _rollback_post(request, run)
+    to = request.GET.get("to", "")
+    try:
+        plan = operations.plan_rollback(run, to)
+    except DurabilityError as exc:
+        return refused(request, run, explain(exc), status_for(exc))
+    form = RollbackForm(initial={"checkpoint_id": plan.target.id, "expected_head": run.head_seq})
+    return _rollback_page(request, run, plan, form)
+
+
+def _rollback_page(
+    request: HttpRequest, run: Run, plan: Any, form: RollbackForm, status: int = 200, error=""
+) -> HttpResponse:
+    # What else the new branch changes (DESIGN: "Rollback and fork open a new branch"):
+    # children started on the abandoned branch are cancelled, messages consumed there go
+    # back to the inbox.
+    abandoned = getattr(plan, "abandoned", set())
+    context = {
+        "nav": "runs",
+        "run": run,
+        "plan": plan,
+        "form": form,
+        "error": error,
+        "children": list(
+            Run.objects.filter(parent_run=run, spawn_base_id__in=abandoned)
+            .exclude(status__in=FINISHED)
+            .only("id", "agent", "status")
+        ),
+        "messages_back": Message.objects.filter(run=run, consumed_base_id__in=abandoned).count(),
+    }
+    return page(request, "dashboard/rollback.html", context, status=status)
+
+
+def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
+    form = RollbackForm(request.POST)
+    if not form.is_valid():
+        try:
+            plan = operations.plan_rollback(run, checkpoint_id=int(request.POST["checkpoint_id"]))
+        except (DurabilityError, KeyError, ValueError):
+            return refused(
+                request, run, "the confirmation form is incomplete: " + _errors(form), 422
+            )
+        return _rollback_page(request, run, plan, form, 422)
+    data = form.cleaned_data
+    try:
+        with transaction.atomic():
+            sub = spend(data["token"], action="rollback", username=_who(request), run_id=run.id)
+            # A second operator (or the run itself) may have moved the head since the
+            # confirmation was shown: the engine refuses then.
+            result = operations.rollback(
+                run,
+                checkpoint_id=data["checkpoint_id"],
+                by=_who(request),
+                reason=data["reason"],
+                expected_head=data["expected_head"],
+            )
+            sub.outcome = (
+                f"It rolled the run back to #{result.target.seq} (new head"
+                f" #{result.checkpoint.seq})."  # type: ignore[union-attr]
+            )
+            sub.save(update_fields=["outcome"])
+    except AlreadySubmitted as dup:
+        return _duplicate(request, run, dup)
+    except DurabilityError as exc:
+        return _engine_refused(request, run, exc)
+    undone = len(result.done_not_undone)
+    note = (
+        f" {undone} effect{'s' if undone != 1 else ''} done after #{result.target.seq}"
+        f" {'were' if undone != 1 else 'was'} not undone."
+        if undone
+        else ""
+    )
+    messages.success(
+        request,
+        f"Rolled back to #{result.target.seq}: new head #{result.checkpoint.seq}"  # type: ignore[union-attr]
+        f"{', continuing with ' + result.will_run_from if result.will_run_from else ''}.{note}",
+    )
+    return redirect(
+        "dashboard:checkpoint",
+        ref=str(run.id),
+        seq=result.checkpoint.seq,  # type: ignore[union-attr]
+    )
+
+
+def _errors(form: Any) -> str:
+    return "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items())
+
+
+# --- fork -------------------------------------------------------------------------------------
+
+
+def _check_fork(run: Run, seq: int, state: Any, by: str) -> None:
+    """The engine's own validation of this fork, writing nothing."""
+    operations.check_fork(run, seq, state)
+
+
+@require_http_methods(["GET", "POST"])
+@operator_required
+def fork(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    source = request.POST if request.method == "POST" else request.GET
+    cp = states.checkpoint_or_404(run, source.get("from_seq") or source.get("from") or run.head_seq)
+    loaded = states.load(cp)
+    if not loaded.ok:
+        return refused(request, run, loaded.error, 409)
+    context: dict[str, Any] = {
+        "nav": "runs",
+        "run": run,
+        "checkpoint": cp,
+        "schema": _schema_text(run),
+    }
+    if request.method == "GET":
+        shown, _ = redact(loaded.state)
+        form = ForkForm(
+            initial={"from_seq": cp.seq, "state": json.dumps(shown, indent=2, ensure_ascii=False)}
+        )
+        return page(request, "dashboard/fork.html", {**context, "form": form})
+    form = ForkForm(request.POST)
+    checking = request.POST.get("action") == "check"
+    if not form.is_valid():
+        return page(request, "dashboard/fork.html", {**context, "form": form}, status=422)
+    data = form.cleaned_data
+    try:
+        if checking:
+            _check_fork(run, cp.seq, data["state"], _who(request))
+            context["checked"] = True
+            return page(request, "dashboard/fork.html", {**context, "form": form})
+        with transaction.atomic():
+            sub = spend(data["token"], action="fork", username=_who(request), run_id=run.id)
+            new = operations.fork(
+                run, cp.seq, state=data["state"], by=_who(request), reason=data["reason"]
+            )
+            sub.outcome = f"It created run {new.id}."
+            sub.result_run_id = new.id
+            sub.save(update_fields=["outcome", "result_run_id"])
+    except AlreadySubmitted as dup:
+        return _duplicate(request, run, dup)
+    except InvalidInput as exc:
+        if isinstance(exc, InvalidTransition):
+            return _engine_refused(request, run, exc)
+        form.add_error("state", explain(exc))
+        return page(request, "dashboard/fork.html", {**context, "form": form}, status=422)
+    except DurabilityError as exc:
+        return _engine_refused(request, run, exc)
+    messages.success(request, f"Forked from #{cp.seq} of {run.short_id} into this new run.")
+    return redirect("dashboard:run", ref=str(new.id))
+
+
+def _schema_text(run: Run) -> str:
+    """The agent's state schema as JSON, for reference beside the editor."""
+    try:
+        definition = registry.get(run.agent)
+    except DurabilityError:
+        return ""
+    schema = definition.schema
+    if schema is None:
+        return ""
+    if hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    try:
+        return json.dumps(schema, indent=2, sort_keys=True)
+    except TypeError:
+        return ""
+
+
+# --- effects in doubt -------------------------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+@operator_required
+def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
+    run = states.run_or_404(ref)
+    effect = Effect.objects.filter(run=run, pk=effect_id).select_related("base").first()
+    if effect is None:
+        return refused(request, run, f"run {run.short_id} has no effect {effect_id}", 404)
+    context: dict[str, Any] = {
+        "nav": "runs",
+        "run": run,
+        "effect": effect,
+        "args": runinfo.effect_args(effect),
+        "result": present.show(json.loads(effect.result), limit=2000, pretty=True)
+        if effect.result
+        else None,
+    }
+    if request.method == "GET":
+        return page(request, "dashboard/resolve.html", {**context, "form": ResolveForm()})
+    form = ResolveForm(request.POST)
+    if not form.is_valid():
+        return page(request, "dashboard/resolve.html", {**context, "form": form}, status=422)
+    data = form.cleaned_data
+    try:
+        with transaction.atomic():
+            sub = _spend_if_given(data["token"], action="resolve", request=request, run=run)
+            operations.resolve_effect(
+                run,
+                effect.pk,
+                outcome=data["outcome"],
+                result=data.get("result_value"),
+                by=_who(request),
+                note=data["note"],
+            )
+            if sub is not None:
+                sub.outcome = f"It marked effect {effect.key} {data['outcome']}."
+                sub.save(update_fields=["outcome"])
+    except AlreadySubmitted as dup:
+        return _duplicate(request, run, dup)
+    except InvalidTransition as exc:
+        effect.refresh_from_db()
+        hint = f"It was resolved by {effect.resolved_by}." if effect.resolved_by else ""
+        return refused(request, run, explain(exc), 409, hint=hint)
+    except DurabilityError as exc:
+        form.add_error(None, explain(exc))
+        return page(
+            request, "dashboard/resolve.html", {**context, "form": form}, status=status_for(exc)
+        )
+    messages.success(request, f"Effect {effect.key} marked {data['outcome']}; the run continues.")
+    return redirect("dashboard:run", ref=str(run.id))
+
+
+# --- messages -----------------------------------------------------------------------------------
+
+
+@require_POST
+@operator_required
+def send(request: HttpRequest, ref: str) -> HttpResponse:
+    """Send a message to a run (a chat turn, a reply it waits for). The form's one-time
+    token is the message's idempotency key: a double submit delivers it once."""
+    run = states.run_or_404(ref)
+    form = SendForm(request.POST, prefix="send")
+    if not form.is_valid():
+        return refused(request, run, _errors(form), 422)
+    data = form.cleaned_data
+    try:
+        operations.send(
+            run,
+            data["name"],
+            data["value"],
+            idempotency_key=f"dashboard:{data['token']}" if data["token"] else "",
+            by=_who(request),
+        )
+    except DurabilityError as exc:
+        return _engine_refused(request, run, exc)
+    messages.success(request, f"Message {data['name']!r} sent.")
+    return redirect("dashboard:run", ref=str(run.id))

@@ -1,0 +1,78 @@
+"""The audit log: every operator action (events with an actor), newest first. Read-only:
+the rows are the engine's append-only events; nothing here can change or remove one."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.http import require_GET
+
+from dashboard import queries, timeline
+from dashboard.models import Notification
+from dashboard.views.common import page
+from durability.models import Event, EventKind
+
+PAGE = 100
+
+
+def _before(request: HttpRequest) -> int | None:
+    try:
+        return int(request.GET["before"])
+    except (KeyError, ValueError):
+        return None
+
+
+@require_GET
+def audit(request: HttpRequest) -> HttpResponse:
+    actor = (request.GET.get("actor") or "").strip()[:150]
+    kind = request.GET.get("kind", "")
+    run_ref = (request.GET.get("run") or "").strip()
+    rows = Event.objects.exclude(actor="").select_related("run")
+    if actor:
+        rows = rows.filter(actor=actor)
+    if kind in EventKind.values:
+        rows = rows.filter(kind=kind)
+    if run_ref:
+        bounds = queries.id_prefix_range(run_ref)
+        if bounds is None:
+            rows = rows.none()
+        else:
+            low, high = bounds
+            rows = rows.filter(run_id__gte=low)
+            if high is not None:
+                rows = rows.filter(run_id__lt=high)
+    before = _before(request)
+    if before is not None:
+        rows = rows.filter(id__lt=before)
+    found = list(rows.order_by("-id")[: PAGE + 1])
+    entries = [(e, timeline._event_item(e)) for e in found[:PAGE]]
+    context = {
+        "nav": "audit",
+        "entries": entries,
+        "next_before": found[PAGE - 1].id if len(found) > PAGE else None,
+        "actor": actor,
+        "kind": kind,
+        "run_ref": run_ref,
+        "kinds": EventKind.choices,
+        "query": {k: v for k, v in {"actor": actor, "kind": kind, "run": run_ref}.items() if v},
+    }
+    return page(request, "dashboard/audit.html", context, fragment="rows")
+
+
+@require_GET
+def notifications(request: HttpRequest) -> HttpResponse:
+    rows = Notification.objects.all()
+    before = _before(request)
+    if before is not None:
+        rows = rows.filter(id__lt=before)
+    found = list(rows.order_by("-id")[: PAGE + 1])
+    from django.conf import settings
+
+    context = {
+        "nav": "notifications",
+        "rows": found[:PAGE],
+        "next_before": found[PAGE - 1].id if len(found) > PAGE else None,
+        "webhook": bool(getattr(settings, "DURABILITY_NOTIFY_WEBHOOK_URL", "")),
+        "webhook_format": getattr(settings, "DURABILITY_NOTIFY_WEBHOOK_FORMAT", "json"),
+        "emails": len(getattr(settings, "DURABILITY_NOTIFY_EMAIL_TO", [])),
+    }
+    return page(request, "dashboard/notifications.html", context)

@@ -1,0 +1,63 @@
+"""What every view shares: choosing the full page or its htmx fragment, and turning the
+engine's coded errors into a status and a sentence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+
+from dashboard.permissions import is_operator, role_of
+from durability.errors import (
+    AlreadyDecided,
+    DurabilityError,
+    IntegrityViolation,
+    InvalidTransition,
+    UnknownApproval,
+    UnknownCheckpoint,
+    UnknownEffect,
+    UnknownRun,
+)
+
+
+def wants_fragment(request: HttpRequest) -> bool:
+    htmx = getattr(request, "htmx", None)
+    return bool(htmx) and not htmx.history_restore_request and not htmx.boosted
+
+
+def page(
+    request: HttpRequest,
+    template: str,
+    context: dict[str, Any],
+    *,
+    fragment: str | None = None,
+    status: int = 200,
+) -> TemplateResponse:
+    """The whole page, or only its partial ``fragment`` for an htmx request: one view, one
+    template, two shapes."""
+    context.setdefault("operator", is_operator(request.user))
+    context.setdefault("role", role_of(request.user))
+    name = f"{template}#{fragment}" if fragment and wants_fragment(request) else template
+    return TemplateResponse(request, name, context, status=status)
+
+
+def status_for(exc: DurabilityError) -> int:
+    if getattr(exc, "code", "") == "DUR111":  # NotAllowed: the approval's policy says no
+        return 403
+    if isinstance(exc, UnknownRun | UnknownCheckpoint | UnknownApproval | UnknownEffect):
+        return 404
+    if isinstance(exc, AlreadyDecided | InvalidTransition | IntegrityViolation):
+        return 409
+    return 422
+
+
+def explain(exc: DurabilityError) -> str:
+    """The engine's message with its code, e.g. "approval 'refund' was already approved
+    by alice ...; the first decision stands [DUR108]"."""
+    return f"{exc.message} [{exc.code}]"
+
+
+def nothing(request: HttpRequest) -> HttpResponse:
+    """A poll that found nothing new: 204 leaves the page exactly as it is."""
+    return HttpResponse(status=204)

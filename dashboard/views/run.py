@@ -1,0 +1,249 @@
+"""A run: header, actions, timeline, checkpoints and the inspector of one checkpoint, live."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect
+from django.urls import reverse
+from django.views.decorators.http import require_GET
+
+from dashboard import diffview, present, runinfo, states, timeline
+from dashboard.forms import ReasonForm, SendForm
+from dashboard.permissions import mark_deciders
+from dashboard.views.common import nothing, page
+from durability.models import Checkpoint, Run, RunStatus
+from durability.redact import redact
+
+
+def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
+    try:
+        cp = states.checkpoint_or_404(run, run.head_seq if seq is None else seq)
+    except Http404:
+        if seq is not None:
+            raise
+        cp = None  # a run whose first checkpoint is not written yet: the page still shows it
+    approvals = mark_deciders(request.user, runinfo.pending_approvals(run))
+    doubts = runinfo.in_doubt(run)
+    rows, more_checkpoints = runinfo.checkpoint_rows(run)
+    items = timeline.latest(run)
+    return {
+        "run": run,
+        "head": next((c for c in rows if c.seq == run.head_seq), None),
+        "approvals": approvals,
+        "doubts": doubts,
+        "checkpoints": rows,
+        "more_checkpoints": more_checkpoints,
+        "timeline": items,
+        "inspector": runinfo.inspector(run, cp, tab) if cp is not None else None,
+        "forks": _forks(run),
+        "source": _source(run),
+        "children": _children(run),
+        "parent": _parent(run),
+        "trace_url": _trace_url(run),
+        "header_token": runinfo.header_token(run),
+        "actions_token": runinfo.actions_token(run, approvals, doubts),
+        "can_resume": runinfo.can_resume(run),
+        "can_cancel": runinfo.can_cancel(run),
+        "resume_form": ReasonForm(prefix="resume"),
+        "cancel_form": ReasonForm(prefix="cancel", reason_required=True),
+        "send_form": _send_form(run),
+        "poll_seconds": _poll_seconds(run),
+        "cursor": items.cursor.encode(),
+    }
+
+
+@require_GET
+def run_detail(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    if ref != str(run.id):
+        # A prefix finds the run; the page lives at its full id, a stable link to share.
+        return redirect("dashboard:run", ref=str(run.id))
+    if "live" in request.GET:
+        return _live(request, run)
+    return page(
+        request, "dashboard/run.html", _context(request, run, None, request.GET.get("tab", ""))
+    )
+
+
+@require_GET
+def checkpoint_detail(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
+    """A run page with checkpoint ``seq`` in the inspector; for htmx, the inspector alone."""
+    run = states.run_or_404(ref)
+    tab = request.GET.get("tab", "")
+    if request.htmx and request.htmx.target == "inspector":
+        cp = states.checkpoint_or_404(run, seq)
+        return page(
+            request,
+            "dashboard/run.html",
+            {"run": run, "inspector": runinfo.inspector(run, cp, tab)},
+            fragment="inspector",
+        )
+    return page(request, "dashboard/run.html", _context(request, run, seq, tab))
+
+
+def _live(request: HttpRequest, run: Run) -> HttpResponse:
+    """A poll: compare what the page has with what is; send only the parts that changed,
+    appending new timeline items instead of replacing the list."""
+    header = runinfo.header_token(run)
+    cursor = timeline.Cursor.decode(request.GET.get("cursor", ""))
+    approvals = mark_deciders(request.user, runinfo.pending_approvals(run))
+    doubts = runinfo.in_doubt(run)
+    actions = runinfo.actions_token(run, approvals, doubts)
+    changed_header = request.GET.get("live") != header
+    changed_actions = request.GET.get("acts") != actions
+    news = cursor is not None and timeline.has_news(run, cursor)
+    if not (changed_header or changed_actions or news):
+        return nothing(request)
+    appended = timeline.newer(run, cursor) if news and cursor is not None else None
+    context = {
+        "run": run,
+        "approvals": approvals,
+        "doubts": doubts,
+        "header_token": header,
+        "actions_token": actions,
+        "cursor": (appended.cursor if appended else cursor or timeline.Cursor()).encode(),
+        "appended": appended,
+        "send_header": changed_header,
+        "send_actions": changed_actions,
+        "can_resume": runinfo.can_resume(run),
+        "can_cancel": runinfo.can_cancel(run),
+        "resume_form": ReasonForm(prefix="resume"),
+        "cancel_form": ReasonForm(prefix="cancel", reason_required=True),
+        "send_form": _send_form(run),
+        "poll_seconds": _poll_seconds(run),
+        "oob": True,
+    }
+    if changed_header:
+        try:
+            shown_head = int(request.GET.get("head", ""))
+        except ValueError:
+            shown_head = run.head_seq
+        context.update(
+            new_checkpoints=runinfo.checkpoints_after(run, shown_head),
+            head=Checkpoint.objects.filter(run=run, seq=run.head_seq).only("size").first(),
+            forks=_forks(run),
+            source=_source(run),
+            children=_children(run),
+            parent=_parent(run),
+            trace_url=_trace_url(run),
+        )
+    return page(request, "dashboard/run.html", context, fragment="live")
+
+
+def _send_form(run: Run) -> SendForm | None:
+    """Offered while the run waits for a message, named as the run asked."""
+    if run.status != RunStatus.WAITING or run.wait_reason != "message":
+        return None
+    return SendForm(prefix="send", initial={"name": run.wait_detail})
+
+
+def _poll_seconds(run: Run) -> int:
+    """Poll fast while the run moves, slower while it waits for someone, slowest once it
+    is finished (an operator may still resume or roll it back)."""
+    if run.status in (RunStatus.QUEUED, RunStatus.RUNNING):
+        return 2
+    return 5 if run.status == RunStatus.WAITING else 10
+
+
+def _forks(run: Run) -> list[Run]:
+    return list(
+        Run.objects.filter(forked_from=run)
+        .only("id", "status", "forked_from_seq", "created_at")
+        .order_by("created_at")[:20]
+    )
+
+
+def _children(run: Run) -> list[Run]:
+    return list(
+        Run.objects.filter(parent_run=run)
+        .only("id", "agent", "status", "created_at")
+        .order_by("created_at")[:50]
+    )
+
+
+def _parent(run: Run) -> Run | None:
+    if not run.parent_run_id:
+        return None
+    return Run.objects.filter(pk=run.parent_run_id).only("id", "agent").first()
+
+
+def _trace_url(run: Run) -> str:
+    """A link to the run's trace when a trace viewer is configured (traceparent
+    "00-<trace id>-<span id>-<flags>")."""
+    template = getattr(settings, "DURABILITY_TRACE_URL", "")
+    parts = (getattr(run, "trace_parent", "") or "").split("-")
+    if not template or len(parts) != 4:
+        return ""
+    return template.replace("{trace_id}", parts[1])
+
+
+def _source(run: Run) -> Run | None:
+    if not run.forked_from_id:
+        return None
+    return Run.objects.filter(pk=run.forked_from_id).only("id", "agent").first()
+
+
+@require_GET
+def timeline_earlier(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    before = timeline.decode_before(request.GET.get("before", ""))
+    if before is None:
+        raise Http404("give ?before= as the cursor the page showed")
+    context = {"run": run, "timeline": timeline.latest(run, before=before)}
+    return page(request, "dashboard/run.html", context, fragment="earlier")
+
+
+@require_GET
+def checkpoint_list(request: HttpRequest, ref: str) -> HttpResponse:
+    run = states.run_or_404(ref)
+    try:
+        before = int(request.GET.get("before", ""))
+    except ValueError:
+        before = None
+    rows, more = runinfo.checkpoint_rows(run, before)
+    context = {"run": run, "checkpoints": rows, "more_checkpoints": more, "older": True}
+    return page(request, "dashboard/run.html", context, fragment="checkpoint_rows")
+
+
+@require_GET
+def tree(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
+    """The children of one node of the state tree (a page of them), loaded on expand."""
+    run = states.run_or_404(ref)
+    cp = states.checkpoint_or_404(run, seq)
+    loaded = states.load(cp)
+    pointer = request.GET.get("path", "")
+    try:
+        offset = max(0, int(request.GET.get("offset", 0)))
+    except ValueError:
+        offset = 0
+    context: dict = {"run": run, "checkpoint": cp, "error": loaded.error, "pointer": pointer}
+    if loaded.ok:
+        value = diffview.resolve(loaded.state, pointer)
+        if value is diffview.MISSING:
+            raise Http404(f"checkpoint #{cp.seq} has nothing at {pointer!r}")
+        if diffview.secret_path(pointer):
+            value = None
+        if type(value) in (dict, list):
+            nodes, total = present.tree_children(value, pointer, offset=offset)
+            context.update(nodes=nodes, total=total, next_offset=offset + len(nodes))
+        else:
+            context["full"] = present.full_text(value)
+    if not request.htmx:
+        url = reverse("dashboard:checkpoint", args=[run.id, cp.seq])
+        return redirect(f"{url}?tab=state")
+    return page(request, "dashboard/tree.html", context)
+
+
+@require_GET
+def state_json(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
+    """The whole state at a checkpoint as a JSON download (secret values redacted)."""
+    run = states.run_or_404(ref)
+    cp = states.checkpoint_or_404(run, seq)
+    loaded = states.load(cp)
+    if not loaded.ok:
+        return JsonResponse({"error": loaded.error}, status=409)
+    state, _ = redact(loaded.state)
+    response = JsonResponse(state, safe=False, json_dumps_params={"indent": 2})
+    response["Content-Disposition"] = f'attachment; filename="run-{run.short_id}-{cp.seq}.json"'
+    return response
