@@ -1,0 +1,353 @@
+"""Demo agents that do real work without the internet.
+
+``concierge``: a conversation that lasts as long as the user wants: it waits (without a
+worker) for the user's next message, hands each question to a ``research`` sub-agent,
+joins it and answers with its draft.
+
+``research``: plans search queries with the LLM, searches the bundled corpus in a loop,
+keeps a growing conversation and notes, drafts an answer, asks for approval, and publishes
+it (an effect writing to the outbox).
+
+``support``: a ReAct loop (think -> act -> think ...) over a customer message: looks up the
+order, asks an operator before refunds over 100 EUR, issues the refund and replies (both
+effects).
+
+Knobs in the input make them watchable: ``slow_ms`` (each step takes at least this long),
+``fail_transient`` (the first N searches or tool calls fail with a transient error, then
+succeed) and ``crash_at`` (the worker process dies, once, in that step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from durability import END, Agent, Transient
+from examples import corpus, llm, tools
+
+REFUND_APPROVAL_OVER_EUR = 100.0
+
+
+def knobs(state, ctx, step: str) -> None:
+    options = ctx.input if isinstance(ctx.input, dict) else {}
+    if options.get("slow_ms"):
+        time.sleep(float(options["slow_ms"]) / 1000)
+    if options.get("crash_at") == step and not state.get("crashed_once"):
+        if ctx.attempt == 1:
+            # The first time the run reaches this step, its worker process dies.
+            os.kill(os.getpid(), signal.SIGKILL)
+        state["crashed_once"] = True
+
+
+def maybe_fail(ctx, what: str) -> None:
+    options = ctx.input if isinstance(ctx.input, dict) else {}
+    if ctx.retry < int(options.get("fail_transient", 0)):
+        raise Transient(f"{what} unavailable (injected failure {ctx.retry + 1})")
+
+
+# --- research ----------------------------------------------------------------------------------
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class Note(BaseModel):
+    doc: str
+    title: str
+    text: str
+    score: float
+
+
+class ResearchState(BaseModel):
+    question: str = Field(min_length=3, max_length=500)
+    messages: list[Message]
+    plan: list[str]
+    notes: list[Note]
+    searched: list[str]
+    draft: str = ""
+    outcome: str = ""
+    published: dict | None = None
+
+
+research = Agent(
+    "research",
+    version="1",
+    description="Searches the bundled corpus, drafts an answer, publishes it once approved.",
+    schema=ResearchState,
+    input_schema={
+        "type": "object",
+        "required": ["question"],
+        "properties": {
+            "question": {"type": "string", "minLength": 3, "maxLength": 500},
+            "slow_ms": {"type": "number", "minimum": 0, "maximum": 60000},
+            "fail_transient": {"type": "integer", "minimum": 0, "maximum": 10},
+            "crash_at": {"type": "string"},
+            "publish": {"type": "boolean"},
+        },
+    },
+    initial_state=lambda inp: {
+        "question": inp["question"],
+        "messages": [
+            {"role": "system", "content": "You are a careful research assistant."},
+            {"role": "user", "content": inp["question"]},
+        ],
+        "plan": [],
+        "notes": [],
+        "searched": [],
+    },
+    max_retries=6,
+    retry_base=0.5,
+    retry_cap=10,
+)
+
+
+@research.step(start=True)
+def plan(state, ctx):
+    knobs(state, ctx, "plan")
+    answer = ctx.call(
+        "llm",
+        llm.complete,
+        [
+            {"role": "system", "content": f"Plan web searches. {llm.TASK_QUERIES}"},
+            {"role": "user", "content": state["question"]},
+        ],
+    )
+    queries = [q.strip() for q in answer["text"].splitlines() if q.strip()][:4]
+    state["plan"] = queries or [state["question"]]
+    state["messages"].append(
+        {"role": "assistant", "content": "I will search for: " + "; ".join(state["plan"])}
+    )
+    return "search"
+
+
+@research.step
+def search(state, ctx):
+    knobs(state, ctx, "search")
+    query = state["plan"].pop(0)
+    maybe_fail(ctx, "search")
+    hits = ctx.call("search", corpus.search, query)
+    state["searched"].append(query)
+    known = {(n["doc"], n["text"]) for n in state["notes"]}
+    for hit in hits:
+        if (hit["doc"], hit["text"]) not in known:
+            state["notes"].append(hit)
+            state["messages"].append({"role": "tool", "content": f"[{hit['doc']}] {hit['text']}"})
+    return "search" if state["plan"] else "summarise"
+
+
+@research.step
+def summarise(state, ctx):
+    knobs(state, ctx, "summarise")
+    answer = ctx.call(
+        "llm",
+        llm.complete,
+        [
+            {"role": "system", "content": llm.TASK_SUMMARY},
+            *[m for m in state["messages"] if m["role"] == "tool"],
+            {"role": "user", "content": state["question"]},
+        ],
+    )
+    state["draft"] = answer["text"]
+    state["messages"].append({"role": "assistant", "content": answer["text"]})
+    if ctx.input.get("publish") is False:
+        state["outcome"] = "drafted"
+        return END
+    return "review"
+
+
+@research.step
+def review(state, ctx):
+    knobs(state, ctx, "review")
+    decision = ctx.approval(
+        "publish",
+        {
+            "question": state["question"],
+            "draft": state["draft"],
+            "sources": sorted({n["doc"] for n in state["notes"]}),
+        },
+    )
+    if not decision:
+        state["outcome"] = f"rejected by {decision.by}: {decision.comment}"
+        return END
+    edited = decision.payload.get("draft") if isinstance(decision.payload, dict) else None
+    if edited and edited != state["draft"]:
+        state["draft"] = edited
+        state["messages"].append({"role": "user", "content": f"(edited by {decision.by})"})
+    return "publish"
+
+
+@research.step
+def publish(state, ctx):
+    knobs(state, ctx, "publish")
+    receipt = ctx.effect("publish", tools.publish, state["question"], state["draft"])
+    state["published"] = receipt
+    state["outcome"] = "published"
+    return END
+
+
+# --- support -----------------------------------------------------------------------------------
+
+
+class SupportState(BaseModel):
+    customer: str
+    messages: list[Message]
+    iterations: int = Field(ge=0, le=12)
+    pending: dict | None = None
+    resolution: str = ""
+
+
+support = Agent(
+    "support",
+    version="1",
+    description="A ReAct loop that answers a customer and issues refunds (large ones approved).",
+    schema=SupportState,
+    input_schema={
+        "type": "object",
+        "required": ["customer", "message"],
+        "properties": {
+            "customer": {"type": "string", "minLength": 3},
+            "message": {"type": "string", "minLength": 1, "maxLength": 5000},
+            "slow_ms": {"type": "number", "minimum": 0, "maximum": 60000},
+            "fail_transient": {"type": "integer", "minimum": 0, "maximum": 10},
+            "crash_at": {"type": "string"},
+        },
+    },
+    initial_state=lambda inp: {
+        "customer": inp["customer"],
+        "messages": [
+            {"role": "system", "content": "You are a support agent for an electronics shop."},
+            {"role": "user", "content": inp["message"]},
+        ],
+        "iterations": 0,
+    },
+    max_retries=6,
+    retry_base=0.5,
+    retry_cap=10,
+)
+
+
+@support.step(start=True)
+def think(state, ctx):
+    knobs(state, ctx, "think")
+    if state["iterations"] >= 10:
+        state["resolution"] = "gave up after 10 iterations"
+        return END
+    state["iterations"] += 1
+    answer = ctx.call(
+        "llm",
+        llm.complete,
+        [
+            {"role": "system", "content": f"Tools: lookup_order, refund, reply. {llm.TASK_TOOL}"},
+            *state["messages"][1:],
+        ],
+    )
+    try:
+        choice = json.loads(answer["text"])
+    except ValueError:
+        choice = {"tool": "reply", "args": {"text": answer["text"]}}
+    state["pending"] = choice
+    state["messages"].append({"role": "assistant", "content": answer["text"]})
+    return "act"
+
+
+@support.step
+def act(state, ctx):
+    knobs(state, ctx, "act")
+    choice = state.pop("pending", None) or {}
+    tool, args = choice.get("tool"), choice.get("args") or {}
+    if tool == "lookup_order":
+        maybe_fail(ctx, "order system")
+        observation = ctx.call("lookup_order", tools.lookup_order, args.get("order_id", ""))
+    elif tool == "refund":
+        order = ctx.call("lookup_order", tools.lookup_order, args.get("order_id", ""))
+        amount = order.get("amount_eur", 0)
+        if amount > REFUND_APPROVAL_OVER_EUR:
+            decision = ctx.approval(
+                "refund",
+                {
+                    "order_id": order.get("order_id"),
+                    "amount_eur": amount,
+                    "customer": state["customer"],
+                    "item": order.get("item"),
+                },
+            )
+            if not decision:
+                observation = {
+                    "status": "refund_declined",
+                    "by": decision.by,
+                    "comment": decision.comment,
+                }
+                state["messages"].append({"role": "tool", "content": json.dumps(observation)})
+                return "think"
+            amount = (decision.payload or {}).get("amount_eur", amount)
+        receipt = ctx.effect("refund", tools.refund, order.get("order_id"), amount)
+        observation = {**receipt, "status": "refund_done"}
+    elif tool == "reply":
+        receipt = ctx.effect(
+            "reply", tools.send_email, state["customer"], "Your request", args.get("text", "")
+        )
+        state["messages"].append({"role": "tool", "content": json.dumps(receipt)})
+        state["resolution"] = args.get("text", "")
+        return END
+    else:
+        observation = {"status": "unknown_tool", "tool": tool}
+    state["messages"].append({"role": "tool", "content": json.dumps(observation)})
+    return "think"
+
+
+# --- concierge: a conversation with a sub-agent per question -----------------------------------
+
+
+class Turn(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str
+
+
+class ConciergeState(BaseModel):
+    user: str
+    transcript: list[Turn]
+    questions: int = Field(ge=0)
+
+
+concierge = Agent(
+    "concierge",
+    version="1",
+    description="A chat that waits for the user's next message and asks a research sub-agent.",
+    schema=ConciergeState,
+    initial_state=lambda inp: {
+        "user": (inp or {}).get("user", "guest"),
+        "transcript": [],
+        "questions": 0,
+    },
+)
+
+
+@concierge.step(start=True)
+def listen(state, ctx):
+    # The user's next chat message: sent with `durability send RUN user --data '"..."'`.
+    text = str(ctx.wait_for("user")).strip()
+    state["transcript"].append({"role": "user", "content": text})
+    if text.lower() in ("bye", "quit", "exit", "thanks, bye"):
+        state["transcript"].append({"role": "assistant", "content": "Goodbye!"})
+        return END
+    if len(text) < 3:
+        state["transcript"].append(
+            {"role": "assistant", "content": "Could you ask a longer question?"}
+        )
+        return "listen"
+    state["questions"] += 1
+    child = ctx.spawn("research", {"question": text[:500], "publish": False})
+    (found,) = ctx.join([child])
+    if found["status"] == "succeeded":
+        reply = found["result"]["draft"]
+    else:
+        reply = f"I could not research that ({found['status']}: {found['error'][:200]})."
+    state["transcript"].append({"role": "assistant", "content": reply})
+    return "listen"
