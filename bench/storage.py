@@ -1,0 +1,96 @@
+"""Storage: every product table's total size (heap, indexes, TOAST; checkpoints, mutations,
+snapshots, events, journal...) after steps that each append 1 KB of incompressible text,
+against the final state's size. The tables are truncated first, so the figure holds this
+run's rows and the empty tables' own pages (counted, not subtracted: nothing flatters it).
+No VACUUM FULL, no ANALYZE: the sizes a production database would have.
+"""
+
+from __future__ import annotations
+
+from bench import agents
+from bench.common import Bench, doorbell, execute_until_done, fmt_ratio, truncate_product_tables
+from bench.db import PRODUCT_TABLES_SQL
+from bench.stats import ratio, size, table
+
+
+def table_sizes() -> dict[str, int]:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(PRODUCT_TABLES_SQL)
+        return {name: int(total) for name, total in cur.fetchall()}
+
+
+def run(b: Bench) -> None:
+    from durability import operations
+    from durability.models import Run, Snapshot
+
+    print("\n== Storage after N steps appending 1 KB each")
+    total_steps = 500
+    milestones = [100, 200, 300, 400, 500]
+    truncate_product_tables()
+    empty = sum(table_sizes().values())
+    rows = []
+    totals: dict[int, int] = {0: empty}
+    last: dict[str, int] = {}
+    state_size = 0
+    with doorbell(False):
+        run_ = operations.start("bench-append", {"n": total_steps}, by="bench")
+        agents.COUNTER[0] = 0
+        for mark in milestones:
+            # The engine checks should_stop before each step: it yields the run (a released
+            # event, like any time slice) once this many steps ran, and is executed again.
+            outcome = execute_until_done(run_.id, should_stop=lambda m=mark: agents.COUNTER[0] >= m)
+            head = Run.objects.get(pk=run_.id)
+            if head.head_seq != mark:
+                raise RuntimeError(f"expected head #{mark}, got #{head.head_seq} ({outcome})")
+            last = table_sizes()
+            total = sum(last.values())
+            totals[mark] = total
+            state_size = head.checkpoints.get(seq=mark).size
+            rows.append(
+                [
+                    mark,
+                    size(state_size),
+                    size(total),
+                    fmt_ratio(ratio(total, state_size)),
+                    size(total - totals[mark - 100]),
+                ]
+            )
+    print(f"empty product tables (indexes' first pages): {size(empty)}")
+    snapshots = sorted(
+        Snapshot.objects.filter(checkpoint__run_id=run_.id).values_list(
+            "checkpoint__seq", flat=True
+        )
+    )
+    print(f"snapshots at checkpoint seq {snapshots}")
+    print(table(rows, ["steps", "state", "all product tables", "ratio", "growth /100 steps"]))
+    print(
+        table(
+            [[name, size(n)] for name, n in sorted(last.items(), key=lambda kv: -kv[1])],
+            ["table (after 500 steps)", "total relation size"],
+        )
+    )
+    final = ratio(totals[500], state_size)
+    b.add(
+        "storage",
+        "product tables / final state after 500 x 1 KB",
+        f"{size(totals[500])} / {size(state_size)} = {fmt_ratio(final)}",
+        "<= 4x",
+        final <= 4.0,
+    )
+    # Linear growth: steps 300-500 cost about what steps 100-300 did. Quadratic growth
+    # would make the later window 2x the earlier one ((500^2-300^2)/(300^2-100^2)). Windows
+    # of 200 steps, because pages are allocated in steps that make 100-step windows jumpy;
+    # the first 100 steps also pay for the empty tables' first pages, so they are left out.
+    early = totals[300] - totals[100]
+    late = totals[500] - totals[300]
+    growth = ratio(late, early)
+    b.add(
+        "storage",
+        "growth steps 300-500 / steps 100-300",
+        f"{size(late)} / {size(early)} = {fmt_ratio(growth)}",
+        "~1x (linear; quadratic 2x)",
+        growth <= 1.3,
+    )
+    truncate_product_tables()

@@ -1,0 +1,161 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from tests.procs import Beat, CeleryWorker
+from tests.servers import EffectReceiver, FakeLLM
+
+pytest_plugins: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def llm_server():
+    server = FakeLLM().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def effect_server():
+    server = EffectReceiver().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def llm(llm_server):
+    llm_server.reset()
+    return llm_server
+
+
+@pytest.fixture
+def effects(effect_server):
+    effect_server.reset()
+    return effect_server
+
+
+class Faults:
+    """Named fault points for worker processes (and this one), set per test."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path = folder / "faults.json"
+        self.markers = folder / "markers"
+        self.clear()
+
+    def set(self, *specs: dict) -> None:
+        shutil.rmtree(self.markers, ignore_errors=True)
+        self.markers.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(list(specs)))
+        tmp.replace(self.path)
+
+    def fired(self) -> int:
+        return len(list(self.markers.glob("fault-*"))) if self.markers.exists() else 0
+
+    def clear(self) -> None:
+        self.set()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"DURABILITY_FAULTS": f"@{self.path}", "DURABILITY_FAULT_DIR": str(self.markers)}
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """Faults for in-process executions."""
+    f = Faults(tmp_path / "faults")
+    for key, value in f.env.items():
+        monkeypatch.setenv(key, value)
+    yield f
+    f.clear()
+
+
+def test_database_url() -> str:
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    return (
+        f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
+        f"{db['PORT'] or 5432}/{db['NAME']}"
+    )
+
+
+class Cluster:
+    """Celery workers and a beat for one test module, on a queue of their own, pointed at
+    the test database; plus the faults file they read."""
+
+    def __init__(
+        self,
+        name: str,
+        folder: Path,
+        llm_url: str,
+        effect_url: str,
+        *,
+        database_url: str | None = None,
+        broker_url: str | None = None,
+    ) -> None:
+        self.name = name
+        self.folder = folder
+        self.queue = f"t-{name}-{uuid.uuid4().hex[:6]}"
+        self.faults = Faults(folder / "faults")
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "DATABASE_URL": database_url or test_database_url(),
+            "CELERY_BROKER_URL": broker_url or os.environ.get("CELERY_BROKER_URL", ""),
+            "CELERY_QUEUE": self.queue,
+            "TEST_LLM_URL": llm_url,
+            "TEST_EFFECT_URL": effect_url,
+            "PYTHONUNBUFFERED": "1",
+            **self.faults.env,
+        }
+        self.workers: list[CeleryWorker] = []
+        self.beat: Beat | None = None
+
+    def worker(self, concurrency: int = 1, **extra_env: str) -> CeleryWorker:
+        name = f"{self.name}-w{len(self.workers) + 1}"
+        worker = CeleryWorker(name, {**self.env, **extra_env}, concurrency=concurrency)
+        self.workers.append(worker)
+        return worker.start()
+
+    def start_beat(self) -> Beat:
+        self.beat = Beat(f"{self.name}-beat", self.env, self.folder)
+        return self.beat.start()
+
+    def stop(self) -> None:
+        for proc in [*self.workers, self.beat]:
+            if proc is not None:
+                proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    request, django_db_setup, django_db_blocker, llm_server, effect_server, tmp_path_factory
+):
+    """Workers and beat for the module; the test process publishes to their queue."""
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    with django_db_blocker.unblock():
+        c = Cluster(name, tmp_path_factory.mktemp(name), llm_server.url, effect_server.url)
+    previous = settings.CELERY_TASK_DEFAULT_QUEUE
+    settings.CELERY_TASK_DEFAULT_QUEUE = c.queue
+    try:
+        yield c
+    finally:
+        settings.CELERY_TASK_DEFAULT_QUEUE = previous
+        c.stop()
+
+
+@pytest.fixture
+def cluster_faults(cluster):
+    cluster.faults.clear()
+    yield cluster.faults
+    cluster.faults.clear()

@@ -1,0 +1,514 @@
+"""Operator actions through the dashboard: resume, cancel, roll back, fork, resolve, decide.
+
+Each is POSTed directly (not only through the page's buttons): a viewer is refused with 403
+and nothing changes; CSRF is enforced; a double submit or a second operator is told what the
+first did; bad input gets a clear error and changes nothing; every action is audited."""
+
+from __future__ import annotations
+
+import json
+from uuid import uuid4
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from durability import Agent, operations, registry
+from durability.models import (
+    Approval,
+    ApprovalStatus,
+    Effect,
+    EffectStatus,
+    Event,
+    EventKind,
+    Run,
+    RunStatus,
+)
+from durability.testing import drive, state_of
+from tests.dashboard_helpers import (
+    as_operator,
+    as_viewer,
+    counts,
+    csrf_from,
+    dash_agents,
+    finished_run,
+    form_token,
+    operator,
+    text_of,
+    viewer,
+    waiting_run,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+__all__ = ["as_operator", "as_viewer", "dash_agents", "operator", "viewer"]
+
+
+def url(name: str, *args) -> str:
+    return reverse(f"dashboard:{name}", args=args)
+
+
+def failed_run() -> Run:
+    run = waiting_run("Will fail?")
+    operations.cancel(run.id, by="seed", reason="setup")
+    return Run.objects.get(pk=run.pk)
+
+
+def in_doubt_run(faults) -> tuple[Run, Effect]:
+    faults.set({"point": "after_effect", "action": "crash"})
+    run = operations.start("dash-chain", {"question": "Doubt?"}, by="seed")
+    run = drive(run.id)
+    faults.clear()
+    assert (run.status, run.wait_reason) == (RunStatus.WAITING, "in_doubt")
+    return run, Effect.objects.get(run=run)
+
+
+# --- permissions: every action, POSTed directly by a viewer --------------------------------------
+
+
+def test_a_viewer_is_refused_every_action_and_nothing_changes(as_viewer, faults):
+    run = waiting_run("Viewer?")
+    doubt_run, effect = in_doubt_run(faults)
+    approval = Approval.objects.get(run=run)
+    cp = run.checkpoints.get(seq=1)
+    before = counts()
+    posts = [
+        (url("resume", run.id), {"resume-reason": "x"}),
+        (url("cancel", run.id), {"cancel-reason": "x"}),
+        (url("rollback", run.id), {"checkpoint_id": cp.id, "expected_head": 2, "reason": "x"}),
+        (url("fork", run.id), {"from_seq": 1, "state": "{}", "action": "fork"}),
+        (url("resolve", doubt_run.id, effect.pk), {"outcome": "done", "result": "{}"}),
+        (url("decide", approval.pk), {"decision": "approve"}),
+        (url("decide", approval.pk), {"decision": "reject", "comment": "no"}),
+        (url("approval", approval.pk), {"f0": "1", "comment": "x"}),
+        (url("send", run.id), {"send-name": "reply", "send-data": "hi"}),
+    ]
+    for target, data in posts:
+        response = as_viewer.post(target, data)
+        assert response.status_code == 403, target
+        assert "Only operators may" in text_of(response), target
+        htmx = as_viewer.post(target, data, HTTP_HX_REQUEST="true")
+        assert htmx.status_code == 403 and "<html" not in text_of(htmx), target
+    assert counts() == before
+    assert Effect.objects.get(pk=effect.pk).status == EffectStatus.IN_DOUBT
+
+
+def test_csrf_is_enforced_on_actions(operator):
+    run = waiting_run("CSRF?")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(operator)
+    before = counts()
+    refused = client.post(url("cancel", run.id), {"cancel-reason": "no token"})
+    assert refused.status_code == 403 and "CSRF" in text_of(refused)
+    assert counts() == before
+    page = text_of(client.get(url("run", run.id)))
+    token = csrf_from(page)
+    accepted = client.post(
+        url("cancel", run.id),
+        {"cancel-reason": "with token", "csrfmiddlewaretoken": token},
+    )
+    assert accepted.status_code == 302
+    assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
+    # htmx sends the token in a header (hx-headers on <body>).
+    other = waiting_run("Header?")
+    approval = Approval.objects.get(run=other)
+    decided = client.post(
+        url("decide", approval.pk),
+        {"decision": "approve"},
+        HTTP_X_CSRFTOKEN=client.cookies["csrftoken"].value,
+        HTTP_HX_REQUEST="true",
+    )
+    assert decided.status_code == 200 and "approved" in text_of(decided)
+
+
+# --- resume and cancel ------------------------------------------------------------------------
+
+
+def test_resume_a_cancelled_run_and_it_is_audited(as_operator):
+    run = failed_run()
+    response = as_operator.post(url("resume", run.id), {"resume-reason": "try again"})
+    assert response.status_code == 302 and response["Location"] == url("run", run.id)
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+    event = Event.objects.filter(run=run, kind=EventKind.RESUMED).get()
+    assert (event.actor, event.reason) == ("olive", "try again")
+    audit = text_of(as_operator.get(url("audit")))
+    assert "olive" in audit and "try again" in audit and "resumed" in audit
+
+
+def test_cancel_needs_a_reason_and_the_second_cancel_is_told_who_did_it(as_operator):
+    run = waiting_run("Cancel?")
+    before = counts()
+    missing = as_operator.post(url("cancel", run.id), {"cancel-reason": ""})
+    assert missing.status_code == 422 and counts() == before
+    first = as_operator.post(url("cancel", run.id), {"cancel-reason": "wrong customer"})
+    assert first.status_code == 302
+    assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
+    second = as_operator.post(url("cancel", run.id), {"cancel-reason": "me too"})
+    html = text_of(second)
+    assert second.status_code == 409
+    assert "already cancelled" in html and "cancelled by olive" in html
+    assert "wrong customer" in html
+    assert Event.objects.filter(run=run, kind=EventKind.CANCELLED).count() == 1
+
+
+def test_the_same_form_submitted_twice_acts_once(as_operator):
+    run = failed_run()
+    page = text_of(as_operator.get(url("run", run.id)))
+    token = form_token(page, "resume")
+    data = {"resume-reason": "double click", "resume-token": token}
+    assert as_operator.post(url("resume", run.id), data).status_code == 302
+    again = as_operator.post(url("resume", run.id), data)
+    assert again.status_code == 409
+    assert "already submitted by olive" in text_of(again)
+    assert Event.objects.filter(run=run, kind=EventKind.RESUMED).count() == 1
+
+
+def test_unknown_run_is_404_and_changes_nothing(as_operator):
+    before = counts()
+    nobody = "00000000-0000-0000-0000-000000000000"
+    for name in ("resume", "cancel", "rollback", "fork"):
+        assert as_operator.post(url(name, nobody), {}).status_code == 404, name
+    assert as_operator.post(url("decide", 999999), {"decision": "approve"}).status_code == 404
+    assert counts() == before
+
+
+# --- roll back ---------------------------------------------------------------------------------
+
+
+def test_rollback_confirmation_lists_effects_done_after_the_target(as_operator):
+    run = finished_run("Rollback?")
+    page = as_operator.get(url("rollback", run.id), {"to": 1})
+    html = text_of(page)
+    assert page.status_code == 200
+    assert "1 effect after checkpoint #1 was already done and will not be undone" in html
+    assert "pay" in html and "continues with step <strong>pay</strong>" in html
+    response = as_operator.post(
+        url("rollback", run.id),
+        {
+            "checkpoint_id": run.checkpoints.get(seq=1).id,
+            "expected_head": run.head_seq,
+            "reason": "the answer was wrong",
+            "token": form_token(html),
+        },
+    )
+    assert response.status_code == 302
+    assert response["Location"] == url("checkpoint", run.id, run.head_seq + 1)
+    old_head = run.head_seq
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED and run.head_seq == old_head + 1
+    head = run.checkpoints.get(seq=run.head_seq)
+    assert head.reason == "rollback" and head.parent.seq == 1
+    event = Event.objects.get(run=run, kind=EventKind.ROLLBACK)
+    assert (event.actor, event.reason) == ("olive", "the answer was wrong")
+    assert len(json.loads(event.data)["done_not_undone"]) == 1
+    assert state_of(run.id) == state_of(run.id, 1)
+
+
+def test_a_double_submitted_or_stale_rollback_is_refused(as_operator, operator):
+    run = finished_run("Twice?")
+    html = text_of(as_operator.get(url("rollback", run.id), {"to": 1}))
+    data = {
+        "checkpoint_id": run.checkpoints.get(seq=1).id,
+        "expected_head": run.head_seq,
+        "reason": "once",
+        "token": form_token(html),
+    }
+    assert as_operator.post(url("rollback", run.id), data).status_code == 302
+    again = as_operator.post(url("rollback", run.id), data)
+    assert again.status_code == 409 and "already submitted by olive" in text_of(again)
+    # A second operator with a confirmation made before the first acted.
+    other = Client()
+    other.force_login(operator)
+    stale = other.post(
+        url("rollback", run.id),
+        {**data, "token": "11111111-2222-3333-4444-555555555555"},
+    )
+    assert stale.status_code == 409
+    assert "the run changed since this rollback was reviewed" in text_of(stale)
+    assert Event.objects.filter(run=run, kind=EventKind.ROLLBACK).count() == 1
+
+
+def test_rollback_to_a_checkpoint_of_another_run_is_refused(as_operator):
+    run = finished_run("Mine?")
+    other = finished_run("Theirs?")
+    before = counts()
+    response = as_operator.post(
+        url("rollback", run.id),
+        {
+            "checkpoint_id": other.checkpoints.get(seq=1).id,
+            "expected_head": run.head_seq,
+            "reason": "cross-run",
+            "token": "11111111-2222-3333-4444-555555555555",
+        },
+    )
+    assert response.status_code == 422
+    assert "belongs to run" in text_of(response) and "DUR100" in text_of(response)
+    assert counts() == before
+
+
+def test_rollback_to_the_head_or_a_missing_checkpoint_is_refused(as_operator):
+    run = finished_run("Head?")
+    head = as_operator.get(url("rollback", run.id), {"to": run.head_seq})
+    assert head.status_code == 409 and "already the head" in text_of(head)
+    missing = as_operator.get(url("rollback", run.id), {"to": 77})
+    assert missing.status_code == 404 and "no checkpoint #77" in text_of(missing)
+
+
+# --- fork ----------------------------------------------------------------------------------------
+
+
+def test_fork_editor_shows_the_state_with_secrets_redacted(as_operator):
+    run = waiting_run("Fork me?")
+    html = text_of(as_operator.get(url("fork", run.id), {"from": 1}))
+    assert "Fork me?" in html and "[redacted]" in html and "sk-very-secret" not in html
+    assert "state schema" in html and "&quot;required&quot;" in html
+
+
+def test_malformed_json_in_the_fork_editor_is_shown_inline_and_nothing_is_made(as_operator):
+    run = waiting_run("Broken?")
+    before = counts()
+    response = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": '{"question": "x",', "action": "fork", "token": ""},
+    )
+    assert response.status_code == 422
+    html = text_of(response)
+    assert "the state is not valid JSON" in html and "line 1" in html
+    assert counts() == before
+
+
+def test_a_state_that_fails_the_schema_is_shown_inline_and_nothing_is_made(as_operator):
+    run = waiting_run("Schema?")
+    state = state_of(run.id, 1)
+    state["count"] = "three"
+    before = counts()
+    response = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": json.dumps(state), "action": "fork", "token": str(uuid4())},
+    )
+    assert response.status_code == 422
+    assert "fails the schema" in text_of(response) and "/count" in text_of(response)
+    assert counts() == before
+
+
+def test_check_asks_the_engine_without_forking(as_operator):
+    run = waiting_run("Check?")
+    state = state_of(run.id, 1)
+    before = counts()
+    response = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": json.dumps(state), "action": "check"},
+    )
+    assert response.status_code == 200 and "The engine accepts this state" in text_of(response)
+    assert counts() == before
+
+
+def test_fork_with_an_edited_state_and_redacted_values_round_trip_unchanged(as_operator):
+    run = waiting_run("Edit me?")
+    page = text_of(as_operator.get(url("fork", run.id), {"from": 1}))
+    shown = json.loads(_textarea(page))
+    assert shown["api_key"] == "[redacted]"
+    unchanged = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": json.dumps(shown), "action": "fork", "token": form_token(page)},
+    )
+    assert unchanged.status_code == 302
+    same = Run.objects.get(forked_from=run)
+    assert json.loads(Event.objects.get(run=same, kind=EventKind.FORK).data)["edited"] is False
+    assert same.checkpoints.get(seq=0).state_hash == run.checkpoints.get(seq=1).state_hash
+
+    page = text_of(as_operator.get(url("fork", run.id), {"from": 1}))
+    edited = json.loads(_textarea(page))
+    edited["question"] = "Edited question?"
+    response = as_operator.post(
+        url("fork", run.id),
+        {
+            "from_seq": 1,
+            "state": json.dumps(edited),
+            "action": "fork",
+            "reason": "ask better",
+            "token": form_token(page),
+        },
+    )
+    new = Run.objects.filter(forked_from=run).exclude(pk=same.pk).get()
+    assert response["Location"] == url("run", new.id)
+    assert state_of(new.id, 0)["question"] == "Edited question?"
+    assert (new.forked_from_seq, new.created_by) == (1, "olive")
+    event = Event.objects.get(run=new, kind=EventKind.FORK)
+    assert event.reason == "ask better" and json.loads(event.data)["edited"] is True
+    # The same form again: told, not forked twice.
+    again = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": json.dumps(edited), "action": "fork", "token": form_token(page)},
+    )
+    assert again.status_code == 409 and str(new.id) in text_of(again)
+    assert Run.objects.filter(forked_from=run).count() == 2
+
+
+def _textarea(html: str) -> str:
+    import html as html_lib
+    import re
+
+    match = re.search(r"<textarea[^>]*name=\"state\"[^>]*>(.*?)</textarea>", html, re.S)
+    assert match
+    return html_lib.unescape(match.group(1))
+
+
+# --- effects in doubt -------------------------------------------------------------------------
+
+
+def test_resolve_an_effect_in_doubt(as_operator, faults):
+    run, effect = in_doubt_run(faults)
+    page = as_operator.get(url("resolve", run.id, effect.pk))
+    assert page.status_code == 200 and effect.idempotency_key in text_of(page)
+    before = counts()
+    bad = as_operator.post(
+        url("resolve", run.id, effect.pk), {"outcome": "done", "result": "{not json"}
+    )
+    assert bad.status_code == 422 and "the result is not valid JSON" in text_of(bad)
+    assert counts() == before
+    assert Effect.objects.get(pk=effect.pk).status == EffectStatus.IN_DOUBT
+    done = as_operator.post(
+        url("resolve", run.id, effect.pk),
+        {"outcome": "done", "result": '{"sent": "money"}', "note": "checked the bank"},
+    )
+    assert done.status_code == 302
+    effect.refresh_from_db()
+    assert (effect.status, effect.resolved_by) == (EffectStatus.DONE, "olive")
+    assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
+    twice = as_operator.post(url("resolve", run.id, effect.pk), {"outcome": "retry"})
+    assert twice.status_code == 409 and "resolved by olive" in text_of(twice)
+    other = as_operator.post(url("resolve", run.id, 999999), {"outcome": "retry"})
+    assert other.status_code == 404
+
+
+# --- approvals ---------------------------------------------------------------------------------
+
+
+def test_approve_from_the_inbox_then_a_second_decision_is_told_who_decided(as_operator, operator):
+    run = waiting_run("Approve?")
+    approval = Approval.objects.get(run=run)
+    card = as_operator.post(
+        url("decide", approval.pk),
+        {"decision": "approve", "comment": "looks right"},
+        HTTP_HX_REQUEST="true",
+    )
+    html = text_of(card)
+    assert card.status_code == 200 and html.lstrip().startswith("<article")
+    assert "approved" in html and "by olive" in html and "looks right" in html
+    assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
+    other = Client()
+    other.force_login(operator)
+    second = other.post(
+        url("decide", approval.pk),
+        {"decision": "reject", "comment": "no!"},
+        HTTP_HX_REQUEST="true",
+    )
+    assert second.status_code == 409
+    assert "already approved by olive" in text_of(second)
+    assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.APPROVED
+    plain = other.post(url("decide", approval.pk), {"decision": "approve"})
+    assert plain.status_code == 409 and "the first decision stands" in text_of(plain)
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert state_of(run.id)["decision"] == {"approved": True, "by": "olive"}
+
+
+def test_reject_needs_a_comment(as_operator):
+    run = waiting_run("Reject?")
+    approval = Approval.objects.get(run=run)
+    before = counts()
+    missing = as_operator.post(url("decide", approval.pk), {"decision": "reject", "comment": ""})
+    assert missing.status_code == 422 and "say why you reject it" in text_of(missing)
+    assert counts() == before
+    rejected = as_operator.post(
+        url("decide", approval.pk),
+        {"decision": "reject", "comment": "too expensive", "next": url("run", run.id)},
+    )
+    assert rejected.status_code == 302 and rejected["Location"] == url("run", run.id)
+    approval.refresh_from_db()
+    assert (approval.status, approval.comment) == (ApprovalStatus.REJECTED, "too expensive")
+
+
+def test_approve_with_edits_is_typed_and_keeps_secrets_unchanged(as_operator):
+    run = waiting_run("Edit the payload?")
+    approval = Approval.objects.get(run=run)
+    page = text_of(as_operator.get(url("approval", approval.pk)))
+    assert 'name="f0"' in page and 'type="number"' in page and "secret: kept as it is" in page
+    assert "sk-live-secret" not in page
+    keys = list(json.loads(approval.payload))
+    fields = {f"f{i}": "" for i in range(len(keys))}
+    values = {"amount_eur": "not a number", "order": "A-1", "note": "asap"}
+    for i, key in enumerate(keys):
+        if key in values:
+            fields[f"f{i}"] = values[key]
+    before = counts()
+    bad = as_operator.post(url("approval", approval.pk), fields)
+    assert bad.status_code == 422 and "Enter a number" in text_of(bad)
+    assert counts() == before
+    fields[f"f{keys.index('amount_eur')}"] = "120.5"
+    # A secret field is disabled: whatever is posted for it, the original is kept.
+    fields[f"f{keys.index('api_token')}"] = "attacker-value"
+    response = as_operator.post(url("approval", approval.pk), {**fields, "comment": "cap it"})
+    assert response.status_code == 302
+    approval.refresh_from_db()
+    edited = json.loads(approval.edited_payload)
+    original = json.loads(approval.payload)
+    assert edited["amount_eur"] == 120.5 and edited["api_token"] == original["api_token"]
+    assert "attacker-value" not in approval.edited_payload
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert state_of(run.id)["shipped"]["amount_eur"] == 120.5
+    decided = as_operator.post(url("approval", approval.pk), fields)
+    assert "already" in text_of(decided) and "approved" in text_of(decided)
+
+
+def test_rollback_confirmation_names_children_cancelled_and_messages_returned(as_operator):
+    from durability.models import Message
+
+    run = finished_run("Branch?")
+    base = run.checkpoints.get(seq=2)
+    child = Run.objects.create(
+        agent="dash-chain",
+        agent_version="2",
+        input="{}",
+        parent_run=run,
+        spawn_base=base,
+        spawn_key="helper",
+        spawn_occurrence=0,
+    )
+    Message.objects.create(run=run, name="reply", data='"hi"', consumed_base=base)
+    html = text_of(as_operator.get(url("rollback", run.id), {"to": 1}))
+    assert "1 child run started after #1 and still unfinished will be cancelled" in html
+    assert child.short_id in html
+    assert "1 message consumed after #1 goes back to the run's inbox" in html
+
+
+def test_send_the_message_a_run_waits_for_once(as_operator):
+    from durability.models import Message
+
+    def ask(state, ctx):
+        state["reply"] = ctx.wait_for("reply")
+
+    registry.unregister("dash-chat")
+    Agent("dash-chat", steps=[ask])
+    try:
+        run = drive(operations.start("dash-chat", {}, by="seed").id)
+        assert (run.status, run.wait_reason, run.wait_detail) == ("waiting", "message", "reply")
+        page = text_of(as_operator.get(url("run", run.id)))
+        assert "waits for a message named" in page and url("send", run.id) in page
+        data = {
+            "send-name": "reply",
+            "send-data": '{"text": "yes"}',
+            "send-as_json": "on",
+            "send-token": form_token(page, "send"),
+        }
+        assert as_operator.post(url("send", run.id), data).status_code == 302
+        assert as_operator.post(url("send", run.id), data).status_code == 302
+        assert Message.objects.filter(run=run).count() == 1  # the double submit: once
+        event = Event.objects.get(run=run, kind="message_received")
+        assert event.actor == "olive"
+        bad = as_operator.post(url("send", run.id), {**data, "send-data": "{nope"})
+        assert bad.status_code == 422 and "not valid JSON" in text_of(bad)
+        assert drive(run.id).status == RunStatus.SUCCEEDED
+        assert state_of(run.id)["reply"] == {"text": "yes"}
+    finally:
+        registry.unregister("dash-chat")

@@ -1,0 +1,62 @@
+"""Rolling deploys: workers announce the agent versions they can run, each run goes to a
+worker that can continue it, and a run that no live worker can run waits visibly."""
+
+from __future__ import annotations
+
+import pytest
+
+from durability import operations
+from durability.models import Event, EventKind, Run, RunStatus, WorkerPresence
+from durability.testing import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    old = cluster.worker(TEST_AGENT_VERSION="1")
+    new = cluster.worker(TEST_AGENT_VERSION="2")
+    cluster.start_beat()
+    return cluster, old, new
+
+
+def announced(names):
+    return lambda: {p.name.split("@")[0] for p in WorkerPresence.objects.all()} >= set(names)
+
+
+def test_runs_go_only_to_workers_that_can_continue_them(fleet):
+    cluster, old, new = fleet
+    wait_until(announced([old.name, new.name]), timeout=20, what="both workers to announce")
+    runs = [operations.start("test-versioned", {}).id for _ in range(6)]  # version 1 here
+    wait_until(
+        lambda: all(Run.objects.get(pk=r).status == RunStatus.SUCCEEDED for r in runs),
+        timeout=60,
+        what="the runs",
+    )
+    workers = set(
+        Event.objects.filter(run_id__in=runs, kind=EventKind.CLAIMED).values_list(
+            "worker", flat=True
+        )
+    )
+    assert workers and all(w.startswith(f"{old.name}@") for w in workers), workers
+
+
+def test_a_run_no_live_worker_can_run_waits_visibly_until_one_can(fleet):
+    cluster, old, new = fleet
+    old.stop()  # the last worker with version 1 leaves (and withdraws its announcement)
+    wait_until(lambda: not announced([old.name])(), timeout=20)
+    run = operations.start("test-versioned", {})
+    waiting = wait_until(
+        lambda: (r := Run.objects.get(pk=run.id)).wait_reason == "version" and r,
+        timeout=20,
+        what="the run to wait for a worker",
+    )
+    assert waiting.status == RunStatus.QUEUED
+    assert "no live worker can run test-versioned@1" in waiting.wait_detail
+    assert "live workers run test-versioned@2" in waiting.wait_detail
+    old.start()
+    wait_until(
+        lambda: Run.objects.get(pk=run.id).status == RunStatus.SUCCEEDED,
+        timeout=60,
+        what="the run to finish once a version-1 worker is back",
+    )

@@ -1,0 +1,202 @@
+"""Traces and metrics, as a collector receives them: a real OTLP/HTTP receiver decoding the
+protobuf payloads of a real CLI process and a real worker process running a real run,
+killed with SIGKILL mid-run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from durability.models import Run, RunStatus
+from durability.testing import wait_until
+from tests.otlp import OTLPReceiver
+from tests.procs import ROOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SECRET = "sk-test"  # the test agent's LLM client sends it as its API key
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    server = OTLPReceiver().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(cluster, receiver):
+    telemetry_env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_METRIC_EXPORT_INTERVAL": "300",
+    }
+    cluster.env.update(telemetry_env)
+    cluster.worker()
+    cluster.start_beat()
+    return cluster
+
+
+def cli(cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "manage.py", "durability", "--by", "tracer", *args],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_one_connected_trace_across_a_worker_kill(traced, receiver, cluster_faults, llm):
+    receiver.clear()
+    cluster_faults.set({"point": "in_commit", "when": {"seq": 4}, "action": "kill"})
+    started = cli(traced, "start", "test-loop", "--input", '{"n": 6, "effects": true}')
+    assert started.returncode == 0, started.stderr
+    run = Run.objects.get()
+    wait_until(lambda: Run.objects.get().status == RunStatus.SUCCEEDED, timeout=60)
+    assert cluster_faults.fired() == 1
+
+    def arrived():
+        spans = receiver.spans()
+        ids = {s.span_id for s in spans}
+        executions = [s for s in spans if s.name == "run test-loop"]
+        complete = all(s.parent_id in ids for s in executions)
+        return spans if executions and any(s.links for s in executions) and complete else None
+
+    spans = wait_until(arrived, timeout=30, what="the resumed execution's span")
+    by_id = {s.span_id: s for s in spans}
+    root = next(s for s in spans if s.name == "durability start")
+    assert root.service == "durability-cli" and root.parent_id == ""
+
+    # Every span of the run is in the trace the command started.
+    worker_spans = [s for s in spans if s.service == "durability-worker"]
+    run_spans = [s for s in worker_spans if s.trace_id == root.trace_id]
+    executions = [s for s in run_spans if s.name == "run test-loop"]
+    assert executions, "no execution span in the command's trace"
+    for execution in executions:
+        assert execution.attributes["durability.run.id"] == str(run.id)
+
+    def ancestors(span):
+        chain = []
+        while span.parent_id in by_id:
+            span = by_id[span.parent_id]
+            chain.append(span)
+        return chain
+
+    # The resumed execution links to the one that was killed (which never ended, so it was
+    # never exported: the link is how the story is followed).
+    resumed = next(
+        s
+        for s in executions
+        if any(a.get("durability.link") == "previous_execution" for *_, a in s.links)
+    )
+    assert any(name == "recovered" for name, _ in resumed.events)
+    assert resumed.attributes["durability.outcome"] == "succeeded"
+
+    steps = [s for s in run_spans if s.name == "step iterate"]
+    # The killed process's batch of finished spans died with it; the resumed execution's
+    # steps are all there, from the checkpoint it resumed at.
+    assert {s.attributes["durability.checkpoint.base_seq"] for s in steps} >= {3, 4, 5}
+    killed = next(
+        span_id
+        for _, span_id, a in resumed.links
+        if a.get("durability.link") == "previous_execution"
+    )
+    for step in steps:
+        if step.parent_id == killed:
+            continue  # exported before the kill; its execution span never ended
+        assert any(a.name == "run test-loop" for a in ancestors(step))
+        assert root in ancestors(step)
+
+    calls = [s for s in run_spans if s.name == "call llm"]
+    # A call that ended before the kill may have been exported while its step span, which
+    # never ended, was not: every call whose parent arrived hangs under a step.
+    parented = [c for c in calls if c.parent_id in by_id]
+    assert len(parented) >= 2  # at least iterations 4 and 5, run after the recovery
+    for call in parented:
+        assert by_id[call.parent_id].name == "step iterate"
+    for call in calls:
+        assert call.attributes["gen_ai.request.model"] == "fake-model"
+        assert call.attributes["gen_ai.usage.input_tokens"] == 2
+        assert call.attributes["gen_ai.usage.output_tokens"] >= 4
+
+    effects = [s for s in run_spans if s.name == "effect notify"]
+    assert effects
+    assert {s.attributes["durability.effect.outcome"] for s in effects} == {"done"}
+    # Iteration 3's effect was done before the kill: its re-run did not repeat it.
+    replayed = [e for s in steps for e in s.events if e[0] == "effect.not_repeated"]
+    assert len(replayed) == 1
+
+    commits = [s for s in run_spans if s.name == "checkpoint commit"]
+    assert {s.attributes["durability.checkpoint.seq"] for s in commits} >= {4, 5, 6}
+    assert all(s.attributes["durability.checkpoint.kind"] in ("delta", "snapshot") for s in commits)
+    assert all(s.attributes["durability.checkpoint.bytes"] > 0 for s in commits)
+
+    # Infrastructure spans come from the maintained instrumentations.
+    assert any(s.name.startswith("run/durability.execute_run") for s in worker_spans)
+    assert any(
+        s.attributes.get("db.system") == "postgresql"
+        or s.attributes.get("db.system.name") == "postgresql"
+        for s in spans
+    )
+
+    # Sizes and hashes only: no state contents, no secrets, on any span.
+    for span in spans:
+        text = repr(span.attributes) + repr(span.events)
+        assert "answer to iteration" not in text, span.name
+        assert SECRET not in text, span.name
+
+    def metrics_arrived():
+        names = receiver.metric_names()
+        wanted = {
+            "durability.checkpoint.commits",
+            "durability.checkpoint.commit.duration",
+            "durability.recoveries",
+            "durability.recovery.duration",
+        }
+        return wanted <= names
+
+    wait_until(metrics_arrived, timeout=30, what="the durability metrics")
+
+
+def test_without_an_endpoint_nothing_is_installed():
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'tests.settings');"
+            "from config import telemetry; print(telemetry.setup('cli'));"
+            "from durability import telemetry as t; print(t.enabled())",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.split() == ["False", "False"], probe.stderr
+
+
+def test_an_unsupported_protocol_is_a_clear_error(tmp_path):
+    import os
+
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    done = subprocess.run(
+        [sys.executable, "manage.py", "durability", "agents"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='grpc' is not supported" in done.stderr

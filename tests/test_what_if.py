@@ -1,0 +1,81 @@
+"""What-if forks: edit one value and see what the agent would have done, paying only for
+the calls the edit changed, and running no effect."""
+
+from __future__ import annotations
+
+import pytest
+
+from durability import operations
+from durability.models import Effect, EffectStatus, Event, EventKind, JournalEntry, RunStatus
+from durability.testing import drive, state_of
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def outside(llm, effects, monkeypatch):
+    monkeypatch.setenv("TEST_LLM_URL", llm.url)
+    monkeypatch.setenv("TEST_EFFECT_URL", effects.url)
+
+
+def test_a_what_if_fork_reuses_calls_until_it_diverges_and_runs_no_effect(llm, effects):
+    source = operations.start("test-whatif", {"topic": "locks"})
+    assert drive(source.id).status == RunStatus.SUCCEEDED
+    assert llm.total == 4 and sum(effects.requests.values()) == 4
+
+    fork = operations.fork(
+        source.id,
+        0,
+        state={**state_of(source.id, 0), "style": "fancy"},
+        what_if=True,
+        by="dev",
+        reason="what if fancy?",
+    )
+    assert drive(fork.id).status == RunStatus.SUCCEEDED
+    # Parts 0 and 1 did not depend on the style: their calls were reused. Parts 2 and 3 did.
+    assert llm.total == 6
+    assert llm.prompts["locks part 2 in fancy style"] == 1
+    reused = JournalEntry.objects.filter(run=fork).exclude(reused_from=None)
+    assert reused.count() == 2
+    diverged = Event.objects.get(run=fork, kind=EventKind.DIVERGED)
+    assert diverged.seq == 2
+    # No effect ran; each is recorded with its arguments as "would have run".
+    assert sum(effects.requests.values()) == 4
+    would = Effect.objects.filter(run=fork)
+    assert would.count() == 4 and {e.status for e in would} == {EffectStatus.WOULD_RUN}
+    assert "locks part 3" in would.last().args
+    assert state_of(fork.id)["out"][:2] == state_of(source.id)["out"][:2]
+
+
+def test_an_unedited_what_if_fork_makes_no_call_at_all(llm):
+    source = operations.start("test-whatif", {"topic": "queues"})
+    drive(source.id)
+    fork = operations.fork(source.id, 1, what_if=True)
+    drive(fork.id)
+    assert llm.total == 4  # the source's four, none more
+    assert not Event.objects.filter(run=fork, kind=EventKind.DIVERGED).exists()
+    assert state_of(fork.id)["out"] == state_of(source.id)["out"]
+
+
+def test_a_live_what_if_fork_runs_its_effects_with_new_keys(llm, effects):
+    source = operations.start("test-whatif", {"topic": "logs"})
+    drive(source.id)
+    fork = operations.fork(source.id, 2, what_if=True, live=True)
+    drive(fork.id)
+    assert llm.total == 4
+    assert sum(effects.requests.values()) == 6 and set(effects.requests.values()) == {1}
+
+
+def test_the_fork_timeline_marks_reused_calls_and_the_divergence(llm):
+    from dashboard import timeline
+
+    source = operations.start("test-whatif", {"topic": "maps"})
+    drive(source.id)
+    fork = operations.fork(
+        source.id, 0, state={**state_of(source.id, 0), "style": "bold"}, what_if=True
+    )
+    drive(fork.id)
+    items = timeline.latest(fork).items
+    reused = [i for i in items if ("reused", "from the source run, not called again") in i.facts]
+    assert len(reused) == 2
+    assert any(i.title == "diverged from the source run" for i in items)

@@ -1,0 +1,234 @@
+"""Real Celery workers (prefork, separate processes) on Redis and PostgreSQL, killed with
+SIGKILL at named fault points. Counting is the assertion: LLM calls arrive at a real HTTP
+server speaking the chat-completions format, effects at a receiver keeping a ledger per
+idempotency key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from durability import operations
+from durability.models import (
+    Effect,
+    EffectStatus,
+    Event,
+    EventKind,
+    JournalEntry,
+    Run,
+    RunStatus,
+)
+from durability.testing import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def running(cluster):
+    """Two single-process workers and a beat for the module."""
+    cluster.worker()
+    cluster.worker()
+    cluster.start_beat()
+    return cluster
+
+
+def finished(run_id, timeout=60.0) -> Run:
+    def done():
+        run = Run.objects.get(pk=run_id)
+        return run if run.is_finished else None
+
+    return wait_until(done, timeout=timeout, what=f"run {run_id} to finish")
+
+
+def alive_workers(cluster):
+    for worker in cluster.workers:
+        if not worker.alive():
+            worker.start()
+
+
+def assert_each_prompt_once(llm, n):
+    assert llm.total == n, dict(llm.prompts)
+    assert set(llm.prompts) == {f"iteration {i}" for i in range(n)}
+
+
+def test_a_run_goes_through_celery(running, llm):
+    run = operations.start("test-loop", {"n": 5})
+    assert finished(run.id).status == RunStatus.SUCCEEDED
+    assert_each_prompt_once(llm, 5)
+    assert operations.verify(run.id)[0].ok
+
+
+def test_sigkill_at_iteration_37_of_50_makes_exactly_50_llm_calls(running, llm, cluster_faults):
+    # Killed inside the checkpoint transaction of iteration 37: its LLM call was already
+    # journaled, so the re-run replays it instead of paying for it again.
+    cluster_faults.set({"point": "in_commit", "when": {"seq": 38}, "action": "kill"})
+    run = operations.start("test-loop", {"n": 50})
+    done = finished(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert cluster_faults.fired() == 1
+    assert_each_prompt_once(llm, 50)
+    recovered = Event.objects.filter(run=run, kind=EventKind.RECOVERED)
+    assert recovered.count() == 1
+    assert operations.verify(run.id)[0].ok
+    alive_workers(running)
+
+
+KILL_POINTS = [
+    # (fault point, filter, LLM calls expected beyond one per iteration)
+    ("before_call", {"key": "llm", "seq": 3}, 0),
+    ("after_call", {"key": "llm", "seq": 3}, 1),  # the one call that had no record yet
+    ("in_commit", {"seq": 4}, 0),
+    ("after_commit", {"seq": 4}, 0),
+    ("before_ack", {}, 0),
+]
+
+
+@pytest.mark.parametrize("action", ["kill", "kill-worker"])
+@pytest.mark.parametrize("point, when, extra", KILL_POINTS)
+def test_every_run_finishes_after_sigkill_and_nothing_runs_twice(
+    running, llm, effects, cluster_faults, point, when, extra, action
+):
+    cluster_faults.set({"point": point, "when": when, "action": action})
+    run = operations.start("test-loop", {"n": 6, "effects": True})
+    if action == "kill-worker":
+        # The whole worker died with its message unacked: only the sweeper can notice.
+        wait_until(lambda: cluster_faults.fired() == 1, timeout=30, what="the fault")
+        wait_until(lambda: not all(w.alive() for w in running.workers), timeout=10)
+        alive_workers(running)
+    done = finished(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert cluster_faults.fired() == 1
+    assert llm.total == 6 + extra, dict(llm.prompts)
+    assert max(llm.prompts.values()) <= 1 + extra
+    # Effects: one request per idempotency key, one key per iteration.
+    assert len(effects.requests) == 6 and set(effects.requests.values()) == {1}
+    assert operations.verify(run.id)[0].ok
+    alive_workers(running)
+
+
+def test_an_effect_whose_worker_died_mid_call_is_in_doubt_until_resolved(
+    running, llm, effects, cluster_faults
+):
+    cluster_faults.set({"point": "after_effect", "when": {"seq": 2}, "action": "kill"})
+    run = operations.start("test-loop", {"n": 4, "effects": True})
+
+    def in_doubt():
+        r = Run.objects.get(pk=run.id)
+        return r.status == RunStatus.WAITING and r.wait_reason == "in_doubt"
+
+    wait_until(in_doubt, timeout=30, what="the run to wait in doubt")
+    effect = Effect.objects.get(run=run, status=EffectStatus.IN_DOUBT)
+    assert effects.requests[effect.idempotency_key] == 1
+    # The operator checks the receiving side and records what it did.
+    outcome = effects.outcomes[effect.idempotency_key]
+    operations.resolve_effect(run.id, effect.pk, outcome="done", result=outcome, by="ops")
+    assert finished(run.id).status == RunStatus.SUCCEEDED
+    assert len(effects.requests) == 4 and set(effects.requests.values()) == {1}
+    alive_workers(running)
+
+
+@pytest.mark.parametrize("action", ["kill", "kill-worker"])
+def test_sigkill_while_waiting_for_approval(running, llm, cluster_faults, action):
+    cluster_faults.set({"point": "suspended", "action": action})
+    run = operations.start("test-loop", {"n": 4, "approve_at": 2})
+    wait_until(lambda: cluster_faults.fired() == 1, timeout=30, what="the fault")
+    if action == "kill-worker":
+        wait_until(lambda: not all(w.alive() for w in running.workers), timeout=10)
+        alive_workers(running)
+    wait_until(lambda: Run.objects.get(pk=run.id).wait_reason == "approval", timeout=10)
+    operations.decide(run.id, "go", approve=True, by="ops")
+    done = finished(run.id)
+    assert done.status == RunStatus.SUCCEEDED
+    assert_each_prompt_once(llm, 4)
+    alive_workers(running)
+
+
+def test_sigkill_inside_the_sweeper(running, llm, cluster_faults):
+    # The first sweep that finds a dead run dies before fixing it; the next one does.
+    cluster_faults.set(
+        {"point": "after_commit", "when": {"seq": 2}, "action": "kill-worker"},
+        {"point": "sweep", "action": "kill"},
+    )
+    run = operations.start("test-loop", {"n": 5})
+    wait_until(lambda: cluster_faults.fired() >= 1, timeout=30, what="the first fault")
+    wait_until(lambda: not all(w.alive() for w in running.workers), timeout=10)
+    alive_workers(running)
+    done = finished(run.id)
+    assert done.status == RunStatus.SUCCEEDED
+    assert cluster_faults.fired() == 2
+    assert_each_prompt_once(llm, 5)
+    alive_workers(running)
+
+
+def test_the_same_message_delivered_twice_at_once_runs_once(running, llm):
+    from workers.tasks import execute_run
+
+    run = operations.start("test-loop", {"n": 5, "slow_ms": 200})
+    for _ in range(3):  # duplicates, as a redelivery or a second sweep would make
+        execute_run.apply_async((str(run.id),), queue=running.queue)
+    assert finished(run.id).status == RunStatus.SUCCEEDED
+    assert_each_prompt_once(llm, 5)
+    claims = Event.objects.filter(run=run, kind=EventKind.CLAIMED).count()
+    assert claims == 1
+
+
+def test_a_step_blocked_60_s_in_a_call_keeps_its_lease(running, llm):
+    lease = float(running.env.get("DURABILITY_LEASE_SECONDS", "4"))
+    run = operations.start("test-loop", {"n": 2, "block_s": 60, "block_at": 0})
+    done = finished(run.id, timeout=120)
+    assert done.status == RunStatus.SUCCEEDED
+    assert 60 / lease >= 10  # the call outlived the lease many times over
+    assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
+    assert not Event.objects.filter(run=run, kind=EventKind.RECOVERED).exists()
+    block = JournalEntry.objects.get(run=run, key="block")
+    assert block.duration_ms >= 60_000  # ran once, to the end, on the worker that began it
+    assert_each_prompt_once(llm, 2)
+
+
+def test_sigterm_finishes_the_step_and_hands_the_run_over(running, llm):
+    run = operations.start("test-loop", {"n": 12, "slow_ms": 300})
+    wait_until(lambda: Run.objects.get(pk=run.id).head_seq >= 2, timeout=30)
+    owner = Run.objects.get(pk=run.id).lease_owner
+    victim = next(w for w in running.workers if w.name in owner)
+    victim.terminate(timeout=30)  # warm shutdown of the main process
+    released = Event.objects.filter(run=run, kind=EventKind.RELEASED)
+    wait_until(released.exists, timeout=10, what="the lease to be handed back")
+    assert finished(run.id).status == RunStatus.SUCCEEDED
+    assert_each_prompt_once(llm, 12)
+    assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
+    alive_workers(running)
+
+
+def test_sigterm_to_the_pool_process_abandons_a_long_step_cleanly(running, llm):
+    run = operations.start("test-loop", {"n": 3, "block_s": 8, "block_at": 1})
+    wait_until(lambda: Run.objects.get(pk=run.id).head_seq >= 1, timeout=30)
+    owner = Run.objects.get(pk=run.id).lease_owner
+    child = int(owner.rsplit(":", 1)[1])
+    time.sleep(0.5)  # inside the 8 s call now (the grace period is 2 s)
+    os.kill(child, signal.SIGTERM)
+    released = Event.objects.filter(run=run, kind=EventKind.RELEASED)
+    wait_until(released.exists, timeout=15, what="the abandoned step to hand the run back")
+    done = finished(run.id, timeout=90)
+    assert done.status == RunStatus.SUCCEEDED
+    assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
+    alive_workers(running)
+
+
+def test_sigkill_between_spawning_and_recording_makes_one_child(running, llm, cluster_faults):
+    cluster_faults.set({"point": "after_spawn", "when": {"key": "child-1"}, "action": "kill"})
+    run = operations.start("test-parent", {"sizes": [2, 3]})
+    done = finished(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert cluster_faults.fired() == 1
+    children = Run.objects.filter(parent_run=run)
+    assert children.count() == 2
+    assert {c.spawn_key for c in children} == {"child-0", "child-1"}
+    assert operations.state_at(run.id)["results"] == [
+        {"status": "succeeded", "i": 2},
+        {"status": "succeeded", "i": 3},
+    ]
+    assert llm.total == 5
+    alive_workers(running)
