@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -254,6 +254,8 @@ class Execution:
                 )
             except DB_DOWN:
                 connection.close()
+            except IntegrityError:  # the run was deleted under us: nothing left to report on
+                pass
 
     # --- the loop ------------------------------------------------------------------------------
 

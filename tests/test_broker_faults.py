@@ -32,9 +32,11 @@ def redis_cluster(django_db_setup, django_db_blocker, llm_server, effect_server,
     cluster.redis = redis
     cluster.worker()
     cluster.start_beat()
-    # This process rings the doorbell on the throwaway Redis too.
-    app = Celery("ring", broker=redis.url)
-    app.conf.broker_connection_retry_on_startup = True
+    # This process rings the doorbell on the throwaway Redis too. Celery prefers the
+    # CELERY_BROKER_URL environment variable (the machine's Redis, in this process) to any
+    # configured broker, so the connection is named explicitly.
+    app = Celery("ring")
+    ring = app.connection_for_write(redis.url)
 
     def publish(run_id: str, delay: float | None) -> None:
         app.send_task(
@@ -43,6 +45,7 @@ def redis_cluster(django_db_setup, django_db_blocker, llm_server, effect_server,
             queue=cluster.queue,
             countdown=delay if delay and delay <= 60 else None,
             retry_policy={"max_retries": 1, "interval_start": 0},
+            connection=ring,
         )
 
     dispatch.set_dispatcher(publish)
@@ -52,6 +55,7 @@ def redis_cluster(django_db_setup, django_db_blocker, llm_server, effect_server,
         from workers.dispatcher import publish as default
 
         dispatch.set_dispatcher(default)
+        ring.release()
         cluster.stop()
         redis.stop()
 
