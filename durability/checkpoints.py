@@ -358,9 +358,10 @@ def _commit_replicated(c: StepCommit, data: str) -> int:
     return checkpoint_id
 
 
-def _commit_pg(c: StepCommit, data: str) -> int:
-    # A server-side-binding cursor on the raw psycopg connection, so the statement is
-    # prepared once per connection instead of parsed and planned on every step.
+def raw_connection() -> tuple[Any, bool]:
+    """Django's psycopg connection, set up for the engine's hot statements, and whether to
+    prepare them: a server-side-binding cursor on it prepares a statement once per
+    connection instead of parsing and planning it on every step."""
     connection.ensure_connection()
     raw = connection.connection
     prepare = bool(getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True))
@@ -369,6 +370,11 @@ def _commit_pg(c: StepCommit, data: str) -> int:
         # prepare=True. A threshold no query reaches turns it back on for explicit requests
         # only: Django's own queries stay unprepared.
         raw.prepare_threshold = 2**31 - 1
+    return raw, prepare
+
+
+def _commit_pg(c: StepCommit, data: str) -> int:
+    raw, prepare = raw_connection()
     return _execute_commit(raw, c, data, _SYNCHRONOUS_COMMIT.get(c.durability), prepare)
 
 

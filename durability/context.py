@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durability import canonical, telemetry
+from durability import canonical, journal, telemetry
 from durability.errors import (
     EffectFailed,
     LeaseLost,
@@ -244,16 +244,11 @@ class Context:
     def _record(self, entry: JournalEntry) -> JournalEntry:
         """Insert-if-absent: the entry, or the one a worker that lost its lease recorded
         first (every replay must see the same answer). Kept in this step's records."""
-        try:
-            with transaction.atomic():
-                entry.save(force_insert=True)
+        stored = journal.insert_if_absent(entry)
+        if stored is entry:
             self.journal_writes += 1
-        except IntegrityError:
-            entry = JournalEntry.objects.get(
-                base_id=self._base_id, key=entry.key, occurrence=entry.occurrence
-            )
-        self._records.journal[(entry.key, entry.occurrence)] = entry
-        return entry
+        self._records.journal[(stored.key, stored.occurrence)] = stored
+        return stored
 
     def _record_reused(self, source: JournalEntry, kind: str, key: str, occ: int) -> Any:
         entry = JournalEntry(

@@ -273,7 +273,8 @@ class JournalEntry(models.Model):
     id = models.BigAutoField(primary_key=True)
     # Indexed through (run, id): a run's calls in order, and its latest, without a scan.
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="journal", db_index=False)
-    base = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+")
+    # Indexed through the identity constraint, which starts with it.
+    base = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+", db_index=False)
     key = models.CharField(max_length=200)
     occurrence = models.IntegerField(default=0)
     kind = models.CharField(max_length=8, choices=CallKind.choices, default=CallKind.CALL)
@@ -311,7 +312,8 @@ class Effect(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="effects", db_index=False)
-    base = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+")
+    # Indexed through the identity constraint, which starts with it.
+    base = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+", db_index=False)
     key = models.CharField(max_length=200)
     occurrence = models.IntegerField(default=0)
     step = models.CharField(max_length=200, blank=True, default="")
