@@ -1,7 +1,8 @@
 """The engine's benchmarks: ``python -m bench.checkpoint [--quick] [--only PARTS]``.
 
-Parts (issue #2, "Performance"): overhead, storage, rebuild, recovery, throughput, and the
-soak (``--soak SECONDS``). Every figure is a ratio to a baseline measured in the same run,
+Parts (issue #2, "Performance"): overhead, storage, rebuild, recovery (a pool process
+killed), node-recovery (a whole worker killed), throughput, tracing, and the soak
+(``--soak SECONDS``). Every figure is a ratio to a baseline measured in the same run,
 or a median/percentile: the machine is shared and noisy, so no single timing means much.
 
 The benchmark owns a database of its own (``durability_bench``; ``BENCH_DATABASE_URL``),
@@ -29,7 +30,16 @@ from bench.common import Bench
 from bench.db import BenchDatabase, bench_url, connect
 from bench.stats import table
 
-PARTS = ("overhead", "storage", "rebuild", "recovery", "throughput", "tracing", "soak")
+PARTS = (
+    "overhead",
+    "storage",
+    "rebuild",
+    "recovery",
+    "node-recovery",
+    "throughput",
+    "tracing",
+    "soak",
+)
 DEFAULT_SOAK_IF_SELECTED = 60.0
 
 
@@ -162,6 +172,10 @@ def _part(name: str, bench: Bench) -> Callable[[], None]:
         from bench import recovery
 
         return lambda: recovery.run(bench)
+    if name == "node-recovery":
+        from bench import recovery
+
+        return lambda: recovery.run_node(bench)
     if name == "throughput":
         from bench import throughput
 

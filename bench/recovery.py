@@ -1,4 +1,5 @@
-"""Recovery time after SIGKILL of the worker's pool process, and the oversubscribed soak.
+"""Recovery time after SIGKILL of the worker's pool process or of a whole worker, and the
+oversubscribed soak.
 
 Real processes: a prefork Celery worker (Celery's default concurrency: one pool process per
 CPU) and beat on Redis, with the product's default settings (30 s lease, 10 s heartbeat,
@@ -215,6 +216,108 @@ def run(b: Bench) -> None:
             "  kill -> Celery notices the dead child, p50 / p95",
             f"{median(detect):.3f} s / {percentile(detect, 95):.3f} s",
         )
+
+
+def run_node(b: Bench) -> None:
+    """Recovery after SIGKILL of a whole worker (its main process and its pool, as when a
+    node or container dies): nothing of that worker is left to notice anything, Celery's
+    unacknowledged message stays invisible for the broker's visibility timeout (an hour),
+    and only the sweeper, reading the database, can hand the run to the other worker."""
+    from durability import operations
+    from durability.models import Run, RunStatus
+
+    print("\n== Recovery after SIGKILL of a whole worker, main process and pool (2 workers)")
+    truncate_product_tables()
+    kills = 5 if b.quick else 20
+    rng = random.Random(b.seed + 1)
+    env = b.child_env()
+    generation = 0
+
+    def new_worker() -> procs.Worker:
+        nonlocal generation
+        generation += 1
+        return procs.Worker(f"node-{generation}", env, b.folder, queues=[b.queue]).start()
+
+    workers = [new_worker(), new_worker()]
+    beat = procs.Beat("node-beat", env, b.folder).start()
+    log = b.folder / "node-steps.log"
+    channel = SideChannel(log)
+    times: list[float] = []
+    failures = 0
+    runs: list[Any] = []
+    try:
+        with doorbell(True):
+            runs.append(operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id)
+        if channel.wait_for(lambda e: True, timeout=60) is None:
+            raise RuntimeError(f"no step started within 60 s; see {workers[0].log_path}")
+        for k in range(kills):
+            time.sleep(rng.uniform(0.05, 2.0))
+            executing = _executing_pid(runs[-1], _AnyPool(workers))
+            victim = next(w for w in workers if executing in w.pool())
+            gone = {victim.pid, *victim.pool()}
+            killed_at = time.time()
+            os.killpg(victim.pid, signal.SIGKILL)
+            entry = channel.wait_for(
+                lambda e, t=killed_at, g=gone: e.at > t and e.pid not in g, 120
+            )
+            victim.stop(grace=0)  # reap it
+            workers.remove(victim)
+            if entry is None:
+                failures += 1
+                status = Run.objects.get(pk=runs[-1]).status
+                print(f"  kill {k + 1}: no step within 120 s (run {status})")
+                if status in (RunStatus.FAILED, RunStatus.SUCCEEDED, RunStatus.CANCELLED):
+                    with doorbell(True):
+                        runs.append(
+                            operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id
+                        )
+            else:
+                times.append(entry.at - killed_at)
+                print(f"  kill {k + 1}/{kills}: step running again after {times[-1] * 1000:.0f} ms")
+            workers.append(new_worker())  # back to two, for the next kill
+    finally:
+        _cancel(runs)
+        for w in workers:
+            w.stop()
+        beat.stop()
+    print(
+        table(
+            [
+                [
+                    "kill -> step running again on the other worker",
+                    len(times),
+                    f"{median(times):.3f} s",
+                    f"{percentile(times, 95):.3f} s",
+                    f"{max(times, default=0):.3f} s",
+                ]
+            ],
+            ["figure", "n", "p50", "p95", "max"],
+        )
+    )
+    b.add(
+        "recovery",
+        "whole worker killed: kills / recovered / not recovered in 120 s",
+        f"{kills} / {len(times)} / {failures}",
+        "all recovered",
+        failures == 0,
+    )
+    b.add(
+        "recovery",
+        "whole worker killed: recovery time p50 / p95",
+        f"{median(times):.3f} s / {percentile(times, 95):.3f} s",
+        "p95 <= 5 s",
+        percentile(times, 95) <= 5.0,
+    )
+
+
+class _AnyPool:
+    """The pool processes of several workers, as ``_executing_pid`` asks one worker's."""
+
+    def __init__(self, workers: list[procs.Worker]) -> None:
+        self.workers = workers
+
+    def pool(self) -> list[int]:
+        return [pid for w in self.workers for pid in w.pool()]
 
 
 def soak(b: Bench, seconds: float) -> None:

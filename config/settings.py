@@ -195,6 +195,9 @@ DURABILITY_VERSION_RETRY_SECONDS = env_float("DURABILITY_VERSION_RETRY_SECONDS",
 DURABILITY_BLOB_BYTES = env_int("DURABILITY_BLOB_BYTES", 256 * 1024)
 DURABILITY_BLOB_DIR = env_str("DURABILITY_BLOB_DIR", str(VAR_DIR / "blobs"))
 DURABILITY_BLOB_STORAGE = env_str("DURABILITY_BLOB_STORAGE", "")
+# Retention deletes blobs nothing refers to once they are this old (longer than any step:
+# a step stores its blobs before its checkpoint commits).
+DURABILITY_BLOB_GC_GRACE_SECONDS = env_float("DURABILITY_BLOB_GC_GRACE_SECONDS", 86400.0)
 # /metrics (Prometheus text): a bearer token scrapers must send (open when empty), and the
 # window its latency and recovery figures cover.
 DURABILITY_METRICS_TOKEN = env_str("DURABILITY_METRICS_TOKEN", "")

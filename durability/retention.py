@@ -11,27 +11,38 @@
 
 Nothing here touches a run that is queued, running or waiting, a run on legal hold, or a
 run whose parent or children are still going.
+
+Then the blob store: a blob that no state, input, journaled result, effect, approval or
+message refers to any more, and that was last stored more than
+``DURABILITY_BLOB_GC_GRACE_SECONDS`` ago (a day by default; longer than any step, since a
+step stores its blobs before its checkpoint commits), is deleted.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
+from django.conf import settings
+from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from durability import canonical, checkpoints
+from durability import blobs, canonical, checkpoints
 from durability.agents import registry
 from durability.errors import IntegrityViolation
 from durability.integrity import verify_run
 from durability.models import (
     FINISHED,
+    Approval,
     Checkpoint,
+    Effect,
     Event,
     EventKind,
+    JournalEntry,
+    Message,
     Mutation,
     Run,
     Snapshot,
@@ -44,6 +55,8 @@ class PruneReport:
     runs_deleted: list[str] = field(default_factory=list)
     compacted: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    blobs_deleted: list[str] = field(default_factory=list)
+    blobs_note: str = ""
 
     def lines(self) -> list[str]:
         verb = "would " if self.dry_run else ""
@@ -52,6 +65,9 @@ class PruneReport:
             f"{verb}compact run {r}: {n} checkpoint(s) removed" for r, n in self.compacted.items()
         ]
         out += [f"left run {r} alone: {why}" for r, why in self.skipped.items()]
+        out += [f"{verb}delete blob {d} (nothing refers to it)" for d in self.blobs_deleted]
+        if self.blobs_note:
+            out.append(f"left the blob store alone: {self.blobs_note}")
         return out
 
 
@@ -97,7 +113,67 @@ def prune(*, dry_run: bool = False, now: Any = None, limit: int = 1000) -> Prune
                 report.compacted[str(run.id)] = len(removable)
                 if not dry_run:
                     _compact(run, removable)
+    collect_blobs(report, now=now)
     return report
+
+
+# Every column that may hold canonical JSON with a blob reference in it.
+_HOLDERS = (
+    (Snapshot, "state"),
+    (Mutation, "ops"),
+    (Run, "input"),
+    (JournalEntry, "result"),
+    (Effect, "args"),
+    (Effect, "result"),
+    (Approval, "payload"),
+    (Approval, "edited_payload"),
+    (Message, "data"),
+)
+_REF = re.compile(r'"\$blob":"([0-9a-f]{64})"')
+_REF_SQL = r'"\$blob":"([0-9a-f]{64})"'
+
+
+def referenced_blobs() -> set[str]:
+    """The digests that some row refers to (canonical JSON writes a reference's ``$blob``
+    key first and without spaces, so one pattern finds them all)."""
+    found: set[str] = set()
+    for model, column in _HOLDERS:
+        table = model._meta.db_table
+        if connection.vendor == "postgresql":
+            # Matched in the database: only digests cross the wire, not whole states.
+            with connection.cursor() as cur:
+                cur.execute(
+                    f"SELECT DISTINCT (regexp_matches({column}, %s, 'g'))[1] FROM {table}"
+                    f" WHERE strpos({column}, '\"$blob\"') > 0",
+                    [_REF_SQL],
+                )
+                found.update(row[0] for row in cur.fetchall())
+            continue
+        rows = model.objects.filter(**{f"{column}__contains": '"$blob"'}).values_list(
+            column, flat=True
+        )
+        for text in rows.iterator(chunk_size=100):
+            found.update(_REF.findall(text))
+    return found
+
+
+def collect_blobs(report: PruneReport, *, now: Any) -> None:
+    ok, why = blobs.collectable_here()
+    if not ok:
+        report.blobs_note = why
+        return
+    grace = timedelta(seconds=float(getattr(settings, "DURABILITY_BLOB_GC_GRACE_SECONDS", 86400)))
+    # Listed before the references are read: a blob stored after the listing is not a
+    # candidate, and one referenced before the reading is kept.
+    candidates = [d for d, at in blobs.stored() if at is not None and at < now - grace]
+    if not candidates:
+        return
+    live = referenced_blobs()
+    for digest in candidates:
+        if digest in live:
+            continue
+        if report.dry_run or blobs.delete_if_older(digest, now - grace):
+            report.blobs_deleted.append(digest)
 
 
 def _delete(run: Run) -> None:

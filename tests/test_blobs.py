@@ -4,10 +4,13 @@ the hash chain covers; read only when a step asks."""
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
-from durability import END, Agent, blobs, operations, registry
+from durability import END, Agent, blobs, canonical, operations, registry
 from durability.errors import IntegrityViolation
 from durability.models import Checkpoint, Mutation, RunStatus, Snapshot
 from durability.testing import drive, state_of
@@ -64,3 +67,94 @@ def test_a_blob_that_changed_on_disk_is_refused():
         f.write("b" * 10)
     with pytest.raises(IntegrityViolation):
         blobs.get(ref)
+
+
+def _files() -> set[str]:
+    return {f for _, _, files in os.walk(blobs._folder()) for f in files}
+
+
+def _age_blobs(seconds: float) -> None:
+    past = time.time() - seconds
+    for root, _, files in os.walk(blobs._folder()):
+        for f in files:
+            os.utime(os.path.join(root, f), (past, past))
+
+
+@pytest.mark.smoke  # on SQLite too, where references are matched in Python, not in SQL
+def test_blobs_of_pruned_runs_are_collected_and_shared_ones_kept(settings):
+    from durability.models import Run
+    from durability.retention import prune
+
+    registry.get("x-docs").keep_days = 30
+    try:
+        gone, kept = operations.start("x-docs", {}), operations.start("x-docs", {})
+        drive(gone.id)
+        drive(kept.id)
+        assert len(_files()) == 2  # both runs share the document and the image
+        extra = blobs.put("only the pruned run's " * 20_000)  # referenced by its input
+        Run.objects.filter(pk=gone.id).update(
+            input='{"doc":' + canonical.dumps(extra).decode() + "}"
+        )
+        past = timezone.now() - timedelta(days=40)
+        Run.objects.filter(pk=gone.id).update(finished_at=past)
+        _age_blobs(2 * 86400)
+
+        preview = prune(dry_run=True)
+        assert preview.runs_deleted == [str(gone.id)]
+        assert preview.blobs_deleted == []  # the run still refers to it until it is deleted
+        assert len(_files()) == 3
+
+        report = prune()
+        assert report.runs_deleted == [str(gone.id)]
+        assert report.blobs_deleted == [extra["$blob"]]  # nothing else referred to it
+        assert len(_files()) == 2
+        state = state_of(kept.id)
+        assert len(blobs.get(state["docs"][0])) == len(DOCUMENT)  # shared: kept
+        assert operations.verify(kept.id)[0].ok
+        assert f"delete blob {extra['$blob']} (nothing refers to it)" in report.lines()
+    finally:
+        registry.get("x-docs").keep_days = None
+
+
+def test_a_recent_or_restored_blob_is_not_collected(settings):
+    from durability.retention import prune
+
+    settings.DURABILITY_BLOB_GC_GRACE_SECONDS = 3600
+    fresh = blobs.put("a step stored this and has not committed yet " * 10_000)
+    old = blobs.put("old and unreferenced " * 10_000)
+    assert prune().blobs_deleted == []  # unreferenced, but within the grace period
+    _age_blobs(7200)
+    again = blobs.put("a step stored this and has not committed yet " * 10_000)
+    assert again == fresh  # stored again: its time is refreshed, not its content rewritten
+    preview = prune(dry_run=True)
+    assert preview.blobs_deleted == [old["$blob"]] and len(_files()) == 2
+    assert prune().blobs_deleted == [old["$blob"]]
+    assert blobs.get(fresh).startswith("a step stored this")
+    assert len(_files()) == 1
+
+
+def test_a_storage_that_cannot_overwrite_is_left_alone(settings, tmp_path):
+    from durability.retention import prune
+
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "blobs": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path / "s3-like")},
+        },
+    }
+    settings.DURABILITY_BLOB_STORAGE = "blobs"
+    settings.DURABILITY_BLOB_GC_GRACE_SECONDS = 0
+    blobs.put("unreferenced " * 30_000)
+    report = prune()
+    assert report.blobs_deleted == []
+    assert "does not overwrite on save" in report.blobs_note
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "blobs": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path / "s3-like"), "allow_overwrite": True},
+        },
+    }
+    report = prune(now=timezone.now() + timedelta(seconds=5))
+    assert len(report.blobs_deleted) == 1 and report.blobs_note == ""

@@ -41,4 +41,8 @@ def prune() -> dict:
     from durability.retention import prune as apply_retention
 
     report = apply_retention()
-    return {"deleted": len(report.runs_deleted), "compacted": len(report.compacted)}
+    return {
+        "deleted": len(report.runs_deleted),
+        "compacted": len(report.compacted),
+        "blobs_deleted": len(report.blobs_deleted),
+    }
