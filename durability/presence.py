@@ -73,8 +73,8 @@ def live() -> dict[str, dict]:
 
 
 def route(run_id: Any) -> tuple[str | None, str]:
-    """``(worker name or None, why not)``. ``(None, "")`` when nobody announced: any worker
-    may take it."""
+    """``(worker name or None, why not)``. ``(None, "")`` when any worker may take it: nobody
+    announced, or every live worker can continue the run."""
     workers = live()
     if not workers:
         return None, ""
@@ -93,7 +93,13 @@ def route(run_id: Any) -> tuple[str | None, str]:
         for name, caps in workers.items()
         if _can_continue(caps.get(run["agent"]), head["agent_version"], head["schema_version"])
     ]
+    if able and len(able) == len(workers):
+        # Every live worker can continue it: the shared queue, which whichever is alive and
+        # free consumes. A direct queue would be a bet on one worker, and a worker that died
+        # since its last announcement would sit on the run until the sweeper rings again.
+        return None, ""
     if able:
+        # A rolling deploy: only the workers that have this version may take it.
         return random.choice(able), ""
     running = sorted(
         {
