@@ -12,15 +12,15 @@ to it commits), or any Django storage backend (S3...) named by ``DURABILITY_BLOB
 (an alias in ``STORAGES``).
 
 Blobs no row refers to any more (their runs were pruned) are collected by retention
-(``collectable``/``delete`` below, called from ``durability.retention``): only once older
-than a grace period, since a step stores its blobs before the checkpoint that refers to
-them commits, and storing a blob that exists already refreshes its time for the same reason.
+(``stored`` and ``delete_if_older`` below, called from ``durability.retention``): only once
+older than a grace period, since a step stores its blobs before the checkpoint that refers
+to them commits, and storing a blob that exists already refreshes its time for the same
+reason.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -32,8 +32,6 @@ from django.conf import settings
 from durability.errors import IntegrityViolation, InvalidInput
 
 KEY = "$blob"
-
-log = logging.getLogger(__name__)
 
 
 def is_ref(value: Any) -> bool:
