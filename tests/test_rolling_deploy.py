@@ -72,8 +72,11 @@ def test_a_run_every_live_worker_can_continue_goes_to_the_shared_queue():
     presence.announce("b@host")
     run = operations.start("test-loop", {"n": 1})
     assert presence.route(run.id) == (None, "")
-    # A rolling deploy: b runs another version of the agent, so only a can take the run.
+    # A rolling deploy: b runs another version of the agent, so it may not take the run (the
+    # module's real workers, when they are up, announce themselves too and may).
     caps = canonical.loads(WorkerPresence.objects.get(pk="b@host").capabilities)
     caps["test-loop"] = {**caps["test-loop"], "version": "99", "compatible": []}
     WorkerPresence.objects.filter(pk="b@host").update(capabilities=canonical.dumps(caps).decode())
-    assert presence.route(run.id) == ("a@host", "")
+    chosen = {presence.route(run.id) for _ in range(60)}
+    assert ("a@host", "") in chosen
+    assert all(worker not in (None, "b@host") and why == "" for worker, why in chosen)
