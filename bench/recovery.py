@@ -123,11 +123,27 @@ def _cancel(runs: list[Any]) -> None:
             operations.cancel(run_id, by="bench", reason="benchmark over")
 
 
+def _start_tick(runs: list[Any], log: Path) -> None:
+    """Start the endless run whose steps log their start (time, pid) to ``log``."""
+    from durability import operations
+
+    with doorbell(True):
+        runs.append(operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id)
+
+
+def _missed(runs: list[Any], log: Path, k: int) -> None:
+    """Kill ``k`` was not followed by a step within the limit: say so, and start a new run
+    if that one ended (so the next kills still measure something)."""
+    from durability.models import Run, RunStatus
+
+    status = Run.objects.get(pk=runs[-1]).status
+    print(f"  kill {k + 1}: no step within 120 s (run {status})")
+    if status in (RunStatus.FAILED, RunStatus.SUCCEEDED, RunStatus.CANCELLED):
+        _start_tick(runs, log)
+
+
 def run(b: Bench) -> None:
     import orjson
-
-    from durability import operations
-    from durability.models import Run, RunStatus
 
     print("\n== Recovery after SIGKILL of the pool process (default settings)")
     truncate_product_tables()
@@ -148,8 +164,7 @@ def run(b: Bench) -> None:
     failures = 0
     runs: list[Any] = []
     try:
-        with doorbell(True):
-            runs.append(operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id)
+        _start_tick(runs, log)
         if channel.wait_for(lambda e: True, timeout=60) is None:
             raise RuntimeError(f"no step started within 60 s; see {worker.log_path}")
         for k in range(kills):
@@ -161,13 +176,7 @@ def run(b: Bench) -> None:
             entry = channel.wait_for(lambda e, t=killed_at, v=victim: e.at > t and e.pid != v, 120)
             if entry is None:
                 failures += 1
-                status = Run.objects.get(pk=runs[-1]).status
-                print(f"  kill {k + 1}: no step within 120 s (run {status})")
-                if status in (RunStatus.FAILED, RunStatus.SUCCEEDED, RunStatus.CANCELLED):
-                    with doorbell(True):
-                        runs.append(
-                            operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id
-                        )
+                _missed(runs, log, k)
                 continue
             times.append(entry.at - killed_at)
             kills_at.append((victim, killed_at, entry.at))
@@ -223,8 +232,6 @@ def run_node(b: Bench) -> None:
     node or container dies): nothing of that worker is left to notice anything, Celery's
     unacknowledged message stays invisible for the broker's visibility timeout (an hour),
     and only the sweeper, reading the database, can hand the run to the other worker."""
-    from durability import operations
-    from durability.models import Run, RunStatus
 
     print("\n== Recovery after SIGKILL of a whole worker, main process and pool (2 workers)")
     truncate_product_tables()
@@ -246,8 +253,7 @@ def run_node(b: Bench) -> None:
     failures = 0
     runs: list[Any] = []
     try:
-        with doorbell(True):
-            runs.append(operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id)
+        _start_tick(runs, log)
         if channel.wait_for(lambda e: True, timeout=60) is None:
             raise RuntimeError(f"no step started within 60 s; see {workers[0].log_path}")
         for k in range(kills):
@@ -264,13 +270,7 @@ def run_node(b: Bench) -> None:
             workers.remove(victim)
             if entry is None:
                 failures += 1
-                status = Run.objects.get(pk=runs[-1]).status
-                print(f"  kill {k + 1}: no step within 120 s (run {status})")
-                if status in (RunStatus.FAILED, RunStatus.SUCCEEDED, RunStatus.CANCELLED):
-                    with doorbell(True):
-                        runs.append(
-                            operations.start("bench-tick", {"log": str(log), "sleep_s": 0.1}).id
-                        )
+                _missed(runs, log, k)
             else:
                 times.append(entry.at - killed_at)
                 print(f"  kill {k + 1}/{kills}: step running again after {times[-1] * 1000:.0f} ms")
