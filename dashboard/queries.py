@@ -64,8 +64,9 @@ def filtered(f: Filters, *, with_status: bool = True) -> QuerySet[Run]:
         runs = runs.filter(created_at__gte=timezone.now() - SINCE[f.since])
     if f.q:
         by_id = id_query(f.q)
-        # An id prefix walks the primary key; text in the input needs a scan, so it is the
-        # fallback when no run id starts with what was typed.
+        # An id prefix walks the primary key. Text in the input is the fallback when no run
+        # id starts with what was typed: a trigram index on PostgreSQL (migration 0003), a
+        # scan where there is none.
         if by_id is not None and Run.objects.filter(by_id).exists():
             runs = runs.filter(by_id)
         else:
@@ -147,8 +148,9 @@ def page(f: Filters, cursor: str = "", size: int = PAGE_SIZE) -> RunsPage:
 
 
 def _text_page(f: Filters, after: tuple[datetime, uuid.UUID] | None, size: int) -> RunsPage:
-    """Text in the input can use no index: the status counts and the page come from one
-    scan of the matching runs (materialized once) instead of one scan each."""
+    """Text in the input: the status counts and the page come from one pass over the
+    matching runs (found through the trigram index on ``upper(input)``, migration 0003, and
+    materialized once) instead of one pass each."""
     matching = filtered(f, with_status=False).order_by().values_list("id", "status", "created_at")
     sql, params = matching.query.sql_with_params()
     conditions, extra = [], []

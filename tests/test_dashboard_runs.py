@@ -154,3 +154,24 @@ def test_hex_looking_text_is_searched_when_no_run_id_starts_with_it(as_operator)
     if word == "beef":
         run = start("the beef is raw")
     assert ids_in(text_of(as_operator.get(URL, {"q": word})), [run]) == [run.short_id]
+
+
+def test_text_search_can_use_the_trigram_index(as_operator):
+    """Migration 0003's index is on the very expression Django writes for icontains, so the
+    search in inputs does not have to read every run."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the trigram index is PostgreSQL's")
+    start("what is a write-ahead log?")
+    # As the text-search page asks it: the matching runs, unordered (they are materialized).
+    query = queries.filtered(queries.Filters(q="write-ahead")).order_by().values("id")
+    sql, params = query.query.sql_with_params()
+    with connection.cursor() as cur:
+        # A handful of rows: leave the planner nothing but an index that can test the text.
+        cur.execute("SET LOCAL enable_seqscan = off")
+        cur.execute("SET LOCAL enable_indexscan = off")
+        cur.execute("EXPLAIN " + sql, params)
+        plan = "\n".join(row[0] for row in cur.fetchall())
+    assert "run_input_trgm" in plan, plan
+    assert ids_in(text_of(as_operator.get(URL, {"q": "write-ahead"})), Run.objects.all())
