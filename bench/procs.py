@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.procs import _children, worker_argv
+from tests.procs import _children, beat_argv, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,19 +133,8 @@ class Worker(Proc):
 
 class Beat(Proc):
     def __init__(self, name: str, env: dict[str, str], folder: Path) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "config",
-            "beat",
-            "--loglevel",
-            "INFO",
-            "--schedule",
-            str(folder / f"{name}-schedule"),
-        ]
-        super().__init__(name, argv, env, folder)
+        # Beat's default --max-interval: the benchmarks keep the product's settings.
+        super().__init__(name, beat_argv(folder / f"{name}-schedule"), env, folder)
 
     def start(self) -> Beat:
         super().start()

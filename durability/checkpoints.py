@@ -358,10 +358,10 @@ def _commit_replicated(c: StepCommit, data: str) -> int:
     return checkpoint_id
 
 
-def raw_connection() -> tuple[Any, bool]:
-    """Django's psycopg connection, set up for the engine's hot statements, and whether to
-    prepare them: a server-side-binding cursor on it prepares a statement once per
-    connection instead of parsing and planning it on every step."""
+def fetch_one_prepared(sql: str, params: dict[str, Any]) -> tuple | None:
+    """Run one of the engine's hot statements on Django's psycopg connection and return its
+    first row. A server-side-binding cursor prepares the statement once per connection
+    instead of parsing and planning it on every step."""
     connection.ensure_connection()
     raw = connection.connection
     prepare = bool(getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True))
@@ -370,50 +370,45 @@ def raw_connection() -> tuple[Any, bool]:
         # prepare=True. A threshold no query reaches turns it back on for explicit requests
         # only: Django's own queries stay unprepared.
         raw.prepare_threshold = 2**31 - 1
-    return raw, prepare
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
+        cur.execute(sql, params, prepare=prepare or None)
+        return cur.fetchone()
 
 
 def _commit_pg(c: StepCommit, data: str) -> int:
-    raw, prepare = raw_connection()
-    return _execute_commit(raw, c, data, _SYNCHRONOUS_COMMIT.get(c.durability), prepare)
-
-
-def _execute_commit(raw: Any, c: StepCommit, data: str, sync: str | None, prepare: bool) -> int:
-    with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
-        cur.execute(
-            _SQL[(c.finished, c.snapshot is not None, sync is not None)],
-            {
-                "sync": sync,
-                "run": c.run_id,
-                "token": c.token,
-                "head_seq": c.head.seq,
-                "next_step": c.next_step,
-                "status": RunStatus.SUCCEEDED if c.finished else RunStatus.RUNNING,
-                "lease": c.lease_seconds,
-                "parent": c.head.id,
-                "step": c.step,
-                "state_hash": c.state_hash,
-                "chain_hash": c.chain_hash,
-                "schema_version": c.schema_version,
-                "agent_version": c.agent_version,
-                "config_hash": c.config_hash,
-                "packages": c.packages,
-                "replay_base": c.replay_base_id,
-                "replay_counters": c.replay_counters,
-                "size": c.size,
-                "delta_size": len(c.ops_bytes),
-                "delta_run": c.delta_run,
-                "commit_id": c.commit_id,
-                "ops": c.ops_bytes.decode(),
-                "count": c.ops_count,
-                "worker": c.worker,
-                "data": data,
-                "prev_us": c.prev_commit_us,
-                "snapshot": c.snapshot.decode() if c.snapshot is not None else None,
-            },
-            prepare=prepare or None,
-        )
-        row = cur.fetchone()
+    sync = _SYNCHRONOUS_COMMIT.get(c.durability)
+    row = fetch_one_prepared(
+        _SQL[(c.finished, c.snapshot is not None, sync is not None)],
+        {
+            "sync": sync,
+            "run": c.run_id,
+            "token": c.token,
+            "head_seq": c.head.seq,
+            "next_step": c.next_step,
+            "status": RunStatus.SUCCEEDED if c.finished else RunStatus.RUNNING,
+            "lease": c.lease_seconds,
+            "parent": c.head.id,
+            "step": c.step,
+            "state_hash": c.state_hash,
+            "chain_hash": c.chain_hash,
+            "schema_version": c.schema_version,
+            "agent_version": c.agent_version,
+            "config_hash": c.config_hash,
+            "packages": c.packages,
+            "replay_base": c.replay_base_id,
+            "replay_counters": c.replay_counters,
+            "size": c.size,
+            "delta_size": len(c.ops_bytes),
+            "delta_run": c.delta_run,
+            "commit_id": c.commit_id,
+            "ops": c.ops_bytes.decode(),
+            "count": c.ops_count,
+            "worker": c.worker,
+            "data": data,
+            "prev_us": c.prev_commit_us,
+            "snapshot": c.snapshot.decode() if c.snapshot is not None else None,
+        },
+    )
     if row is None:
         raise _fenced(c.run_id, c.token, c.head.seq)
     return row[0]

@@ -8,10 +8,9 @@ hot path). Elsewhere (SQLite), and inside an explicit transaction, the ORM does 
 
 from __future__ import annotations
 
-import psycopg
 from django.db import IntegrityError, connection, transaction
 
-from durability.checkpoints import raw_connection
+from durability.checkpoints import fetch_one_prepared
 from durability.models import JournalEntry
 
 _INSERT = """
@@ -31,27 +30,23 @@ def insert_if_absent(entry: JournalEntry) -> JournalEntry:
     """Store ``entry`` unless its operation identity (base, key, occurrence) is recorded
     already; return the stored one (``entry`` itself, saved, or the earlier record)."""
     if connection.vendor == "postgresql" and not connection.in_atomic_block:
-        raw, prepare = raw_connection()
-        with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
-            cur.execute(
-                _INSERT,
-                {
-                    "run": entry.run_id,
-                    "base": entry.base_id,
-                    "key": entry.key,
-                    "occurrence": entry.occurrence,
-                    "kind": entry.kind,
-                    "step": entry.step,
-                    "function": entry.function,
-                    "args_hash": entry.args_hash,
-                    "result": entry.result,
-                    "duration_ms": entry.duration_ms,
-                    "meta": entry.meta,
-                    "reused_from": entry.reused_from,
-                },
-                prepare=prepare or None,
-            )
-            row = cur.fetchone()
+        row = fetch_one_prepared(
+            _INSERT,
+            {
+                "run": entry.run_id,
+                "base": entry.base_id,
+                "key": entry.key,
+                "occurrence": entry.occurrence,
+                "kind": entry.kind,
+                "step": entry.step,
+                "function": entry.function,
+                "args_hash": entry.args_hash,
+                "result": entry.result,
+                "duration_ms": entry.duration_ms,
+                "meta": entry.meta,
+                "reused_from": entry.reused_from,
+            },
+        )
         if row is not None:
             entry.pk, entry.created_at = row
             entry._state.adding = False

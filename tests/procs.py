@@ -169,23 +169,29 @@ class CeleryWorker(Proc):
         return self.start()
 
 
+def beat_argv(schedule: Path, max_interval: float | None = None) -> list[str]:
+    """Celery beat of this project, its schedule file at ``schedule``: for the tests and
+    the benchmarks."""
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "config",
+        "beat",
+        "--loglevel",
+        "INFO",
+        "--schedule",
+        str(schedule),
+    ]
+    if max_interval is not None:
+        argv += ["--max-interval", f"{max_interval:g}"]
+    return argv
+
+
 class Beat(Proc):
     def __init__(self, name: str, env: dict[str, str], folder: Path) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "config",
-            "beat",
-            "--loglevel",
-            "INFO",
-            "--schedule",
-            str(folder / f"{name}-schedule"),
-            "--max-interval",
-            "1",
-        ]
-        super().__init__(name, argv, env)
+        super().__init__(name, beat_argv(folder / f"{name}-schedule", max_interval=1), env)
 
     def start(self) -> Beat:
         super().start()
