@@ -60,7 +60,7 @@ def _parse(raw: str) -> tuple[dict[str, Any], ...]:
     return tuple(specs)
 
 
-_file_cache: dict[str, tuple[float, str]] = {}
+_file_cache: dict[str, tuple[tuple[int, int, int], str]] = {}
 
 
 def _spec_text(raw: str) -> str:
@@ -68,13 +68,17 @@ def _spec_text(raw: str) -> str:
         return raw
     path = raw[1:]
     try:
-        mtime = os.stat(path).st_mtime_ns
+        st = os.stat(path)
     except FileNotFoundError:
         return ""
+    # Not the modification time alone: two specs written within one tick of the kernel's
+    # coarse clock share it, and a worker kept the older one (a fault that never fired).
+    # A spec is replaced by a rename, so its inode changes every time.
+    version = (st.st_mtime_ns, st.st_ino, st.st_size)
     cached = _file_cache.get(path)
-    if cached is None or cached[0] != mtime:
+    if cached is None or cached[0] != version:
         with open(path) as f:
-            cached = (mtime, f.read().strip())
+            cached = (version, f.read().strip())
         _file_cache[path] = cached
     return cached[1]
 
