@@ -144,6 +144,12 @@ class OTLPReceiver:
             self._decode()
             return list(self.received.spans)
 
+    def metrics(self, name: str) -> list:
+        """Every exported copy of the metric ``name`` (OTLP ``Metric`` messages)."""
+        with self.lock:
+            self._decode()
+            return list(self.received.metrics.get(name, []))
+
     def metric_names(self) -> set[str]:
         with self.lock:
             self._decode()

@@ -161,6 +161,11 @@ def test_one_connected_trace_across_a_worker_kill(traced, receiver, cluster_faul
         return wanted <= names
 
     wait_until(metrics_arrived, timeout=30, what="the durability metrics")
+    # A commit per step: offering each latency as an exemplar is off by default.
+    latencies = receiver.metrics("durability.checkpoint.commit.duration")
+    points = [p for m in latencies for p in m.histogram.data_points]
+    assert points and sum(p.count for p in points) > 0
+    assert not any(p.exemplars for p in points)
 
 
 def test_without_an_endpoint_nothing_is_installed():
