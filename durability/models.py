@@ -479,6 +479,10 @@ class WorkerPresence(models.Model):
     capabilities = models.TextField(help_text="canonical JSON: agent -> what it continues")
     started_at = models.DateTimeField()
     seen_at = models.DateTimeField(db_index=True)
+    # The advisory lock the worker holds while it lives (PostgreSQL): freed by the database
+    # the moment the process dies, so a killed worker stops being chosen at once instead of
+    # after the announcement's time to live. Empty: the announcement's age alone tells.
+    liveness_key = models.IntegerField(null=True, blank=True)
 
 
 class RateBucket(models.Model):

@@ -3,19 +3,21 @@ by side and a run must go to one that can continue its checkpoints.
 
 Each worker announces, and renews every ``DURABILITY_PRESENCE_SECONDS``, the agents it has:
 version, schema version, the versions it declares compatible and the schema versions it can
-upgrade from. ``route(run)`` picks a live worker that can continue the run's head; none
-alive means the run waits, saying so, until one is. With no announcement at all (a single
-process, a test), anything goes anywhere.
+upgrade from. On PostgreSQL it also holds an advisory lock while it lives, so a killed
+worker stops counting as live at once. ``route(run)`` picks a live worker that can continue
+the run's head; none alive means the run waits, saying so, until one is. With no
+announcement at all (a single process, a test), anything goes anywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from durability import canonical
@@ -39,14 +41,36 @@ def capabilities() -> dict[str, dict]:
     }
 
 
-def announce(name: str) -> None:
+# Advisory locks taken as (namespace, key) pairs: apart from the runs' single-bigint keys.
+_LOCK_NAMESPACE = 0x70726573  # "pres"
+
+
+def liveness_key(name: str) -> int:
+    """A worker's advisory-lock key: 31 bits of a hash of its name (a collision only makes a
+    dead worker look alive while its twin lives, which is what the time to live allows)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def announce(name: str, *, hold: bool = False) -> None:
+    """Announce what this worker can run. ``hold``: also take, on this thread's connection,
+    the advisory lock that tells the worker is alive (PostgreSQL); the caller keeps that
+    connection open for the worker's life, and announces from it again to renew."""
     now = timezone.now()
     data = canonical.dumps(capabilities()).decode()
-    updated = WorkerPresence.objects.filter(pk=name).update(capabilities=data, seen_at=now)
-    if not updated:
-        WorkerPresence.objects.update_or_create(
-            pk=name, defaults={"capabilities": data, "started_at": now, "seen_at": now}
-        )
+    key = None
+    if hold and connection.vendor == "postgresql":
+        key = liveness_key(name)
+        with connection.cursor() as cur:
+            # Session locks stack: take it only if this session does not hold it yet.
+            cur.execute(
+                "SELECT pg_try_advisory_lock(%s, %s) WHERE NOT EXISTS (SELECT 1 FROM pg_locks"
+                " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND objsubid = 2"
+                " AND classid = %s::bigint::oid AND objid = %s::bigint::oid)",
+                [_LOCK_NAMESPACE, key, _LOCK_NAMESPACE, key],
+            )
+    fields = {"capabilities": data, "seen_at": now, "liveness_key": key}
+    if not WorkerPresence.objects.filter(pk=name).update(**fields):
+        WorkerPresence.objects.update_or_create(pk=name, defaults={**fields, "started_at": now})
 
 
 def withdraw(name: str) -> None:
@@ -65,11 +89,29 @@ def _can_continue(cap: dict | None, version: str, schema_version: int) -> bool:
 
 
 def live() -> dict[str, dict]:
+    """The workers announced within the time to live, less those whose liveness lock is
+    free: their process died."""
     since = timezone.now() - timedelta(seconds=ttl())
+    found = list(WorkerPresence.objects.filter(seen_at__gte=since))
+    held = _held_keys() if any(p.liveness_key is not None for p in found) else set()
     return {
         p.name: canonical.loads(p.capabilities)
-        for p in WorkerPresence.objects.filter(seen_at__gte=since)
+        for p in found
+        if p.liveness_key is None or p.liveness_key in held
     }
+
+
+def _held_keys() -> set[int]:
+    if connection.vendor != "postgresql":
+        return set()
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND objsubid = 2 AND classid = %s::bigint::oid"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [_LOCK_NAMESPACE],
+        )
+        return {int(row[0]) for row in cur.fetchall()}
 
 
 def route(run_id: Any) -> tuple[str | None, str]:

@@ -3,7 +3,10 @@ worker that can continue it, and a run that no live worker can run waits visibly
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from durability import operations
 from durability.models import Event, EventKind, Run, RunStatus, WorkerPresence
@@ -80,3 +83,73 @@ def test_a_run_every_live_worker_can_continue_goes_to_the_shared_queue():
     chosen = {presence.route(run.id) for _ in range(60)}
     assert ("a@host", "") in chosen
     assert all(worker not in (None, "b@host") and why == "" for worker, why in chosen)
+
+
+def test_a_killed_worker_stops_counting_as_live_at_once(fleet):
+    """Its announcement is still fresh, but the liveness lock its process held is gone: no
+    run is routed to a queue nobody consumes any more."""
+    from durability import presence
+
+    cluster, old, new = fleet
+    wait_until(announced([new.name]), timeout=20, what="the worker to announce")
+    name = next(n for n in presence.live() if n.startswith(f"{new.name}@"))
+    assert WorkerPresence.objects.get(pk=name).liveness_key == presence.liveness_key(name)
+    new.kill()  # SIGKILL: no withdrawal, the row stays
+    # As fresh as an announcement can be, so that only the lock can tell.
+    fresh = timezone.now() + timedelta(hours=1)
+    assert WorkerPresence.objects.filter(pk=name).update(seen_at=fresh) == 1
+    wait_until(lambda: name not in presence.live(), timeout=10, what="the lock to be freed")
+    new.start()
+    wait_until(lambda: name in presence.live(), timeout=30, what="the restarted worker")
+
+
+def test_routing_skips_an_announcement_whose_holder_is_gone():
+    import threading
+
+    from django.db import connection
+
+    from durability import presence
+
+    release = threading.Event()
+    held = threading.Event()
+    unlocked: list = []
+
+    def worker(name: str, dies: bool) -> None:
+        try:
+            presence.announce(name, hold=True)
+            if not dies:
+                presence.announce(name, hold=True)  # renewing does not stack the lock
+                with connection.cursor() as cur:
+                    key = presence.liveness_key(name)
+                    cur.execute(
+                        "SELECT pg_advisory_unlock(%s, %s), pg_advisory_unlock(%s, %s)",
+                        [presence._LOCK_NAMESPACE, key, presence._LOCK_NAMESPACE, key],
+                    )
+                    unlocked.append(cur.fetchone())
+                presence.announce(name, hold=True)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()  # a dead process's session ends: its lock is freed
+
+    ghost = threading.Thread(target=worker, args=("ghost@host", True))
+    ghost.start()
+    ghost.join()
+    alive = threading.Thread(target=worker, args=("alive@host", False))
+    alive.start()
+    try:
+        assert held.wait(10)
+        assert unlocked == [(True, False)]  # held once, however often it was announced
+        run = operations.start("test-loop", {"n": 1})
+        live = presence.live()
+        assert "alive@host" in live and "ghost@host" not in live
+        assert WorkerPresence.objects.filter(pk="ghost@host").exists()  # fresh, yet dead
+        # Make it a rolling deploy (an announcement that cannot run the run), so that
+        # routing chooses among the announcements that can.
+        presence.announce("other@host")
+        WorkerPresence.objects.filter(pk="other@host").update(capabilities="{}")
+        chosen = {presence.route(run.id)[0] for _ in range(60)}
+        assert "ghost@host" not in chosen and "alive@host" in chosen
+    finally:
+        release.set()
+        alive.join()

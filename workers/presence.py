@@ -20,26 +20,34 @@ def direct_queue(node: str) -> str:
 
 
 def start(node: str) -> None:
-    """In the main worker process once it is ready: announce now, then keep announcing."""
+    """In the main worker process once it is ready: announce now, then keep announcing.
+
+    Every announcement is made on the presence thread's own connection, which holds the
+    worker's liveness lock for as long as the process lives (durability.presence)."""
     from durability import presence
 
     _name[:] = [node]
     _stop.clear()
-    presence.announce(node)
     interval = float(getattr(settings, "DURABILITY_PRESENCE_SECONDS", 15.0))
+    first = threading.Event()
 
     def renew() -> None:
         try:
-            while not _stop.wait(interval):
+            while True:
                 try:
-                    presence.announce(node)
+                    presence.announce(node, hold=True)
                 except Exception:  # the database is away: the next round tries again
                     log.warning("could not renew the presence of %s", node, exc_info=True)
-                    connection.close()
+                    connection.close()  # frees the lock too; the next round takes it again
+                first.set()
+                if _stop.wait(interval):
+                    return
         finally:
             connection.close()
 
     threading.Thread(target=renew, name="presence", daemon=True).start()
+    # Ready means announced: a run started right after must be able to find this worker.
+    first.wait(timeout=10)
 
 
 def stop() -> None:
