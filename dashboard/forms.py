@@ -30,6 +30,8 @@ def parse_json(text: str, what: str) -> Any:
         raise forms.ValidationError(
             f"{what} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from None
+    except RecursionError:
+        raise forms.ValidationError(f"{what} is nested too deeply to be read") from None
 
 
 class ReasonForm(forms.Form):

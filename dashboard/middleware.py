@@ -1,4 +1,4 @@
-"""Login for every dashboard page, htmx-aware.
+"""Login for every dashboard page, htmx-aware; and no NUL character in any parameter.
 
 Applied per view (dashboard/urls.py wraps every pattern) rather than as a global middleware, so
 endpoints that other apps expose for machines (a metrics scrape, a health check) are not
@@ -31,5 +31,30 @@ def login_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRespo
         if htmx:
             return HttpResponseClientRedirect(response["Location"])
         return response
+
+    return wrapper
+
+
+def no_nul(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """A NUL character in a filter or a form field cannot be stored or compared by
+    PostgreSQL (a text value may not hold one): refused with a 400 that names the field,
+    instead of the database error it would otherwise become."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        for where, params in (("query", request.GET), ("form", request.POST)):
+            for name, values in params.lists():
+                if "\x00" in name or any("\x00" in v for v in values):
+                    from dashboard.views.common import page
+
+                    shown = name.replace("\x00", "\\0")[:100]
+                    context = {
+                        "title": "Bad request",
+                        "message": f"the {where} parameter “{shown}” holds a NUL character.",
+                    }
+                    return page(
+                        request, "dashboard/error.html", context, fragment="message", status=400
+                    )
+        return view(request, *args, **kwargs)
 
     return wrapper

@@ -196,7 +196,7 @@ def collect(now: Any = None) -> int:
                 channel=channel,
                 kind=m.kind,
                 run_id=m.run.id,
-                subject=m.text[:300],
+                subject=one_line(m.text)[:300],
                 body=json.dumps(m.document(), sort_keys=True),
                 next_attempt_at=now,
             )
@@ -215,6 +215,11 @@ class DeliveryError(Exception):
     def __init__(self, message: str, *, permanent: bool = False) -> None:
         self.permanent = permanent
         super().__init__(message)
+
+
+def one_line(text: str) -> str:
+    """Agent text (an error message) may hold line breaks; a mail header may not."""
+    return " ".join(text.split())
 
 
 def slack_escape(text: str) -> str:
@@ -261,7 +266,7 @@ def _send_email(note: Notification) -> None:
     body = f"{document['text']}\n\nOpen the run: {document['url']}\n"
     try:
         send_mail(
-            f"[durability] {note.subject}"[:250],
+            one_line(f"[durability] {note.subject}")[:250],
             body,
             settings.DEFAULT_FROM_EMAIL,
             list(settings.DURABILITY_NOTIFY_EMAIL_TO),
@@ -294,7 +299,16 @@ def deliver(limit: int = 100) -> dict[str, int]:
                 break
             note.attempts += 1
             try:
-                SENDERS[note.channel](note)
+                try:
+                    SENDERS[note.channel](note)
+                except DeliveryError:
+                    raise
+                except Exception as exc:
+                    # Whatever a sender trips on stays with this row: raised from here, it
+                    # would roll back the attempt and leave the row first in line forever,
+                    # holding back every notification after it.
+                    log.exception("notification %s via %s", note.key, note.channel)
+                    raise DeliveryError(f"{type(exc).__name__}: {exc}") from None
             except DeliveryError as exc:
                 note.last_error = str(exc)[:2000]
                 if exc.permanent or note.attempts >= max_attempts:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.utils.dateparse import parse_datetime
+
 from durability.models import (
     CallKind,
     Effect,
@@ -56,6 +58,9 @@ class Cursor:
         if len(parts) != 5:
             return None
         try:
+            # A time of the right shape that does not exist (month 13) is a ValueError too.
+            if parts[4] and parse_datetime(parts[4]) is None:
+                return None
             return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[4], int(parts[3]))
         except ValueError:
             return None
@@ -348,13 +353,11 @@ def encode_before(item: Item) -> str:
 
 
 def decode_before(text: str) -> tuple[datetime, int, int] | None:
-    from django.utils.dateparse import parse_datetime
-
     parts = (text or "").split("|")
     if len(parts) != 3:
         return None
-    at = parse_datetime(parts[0])
     try:
+        at = parse_datetime(parts[0])  # a ValueError for a date that does not exist
         return (at, int(parts[1]), int(parts[2])) if at is not None else None
     except ValueError:
         return None
@@ -437,7 +440,6 @@ def current_cursor(run: Run) -> Cursor:
 def newer(run: Run, cursor: Cursor) -> Page:
     """Items that arrived after ``cursor``, oldest first (what a poll appends)."""
     from django.db.models import Q
-    from django.utils.dateparse import parse_datetime
 
     ev = list(Event.objects.filter(run=run, id__gt=cursor.event).order_by("id")[:PAGE])
     jl = list(
@@ -464,7 +466,6 @@ def newer(run: Run, cursor: Cursor) -> Page:
 def has_news(run: Run, cursor: Cursor) -> bool:
     """Whether anything arrived after ``cursor``: a few index probes, for polls."""
     from django.db.models import Q
-    from django.utils.dateparse import parse_datetime
 
     if Event.objects.filter(run=run, id__gt=cursor.event).exists():
         return True

@@ -1,6 +1,6 @@
 from django.urls import URLPattern, path
 
-from dashboard.middleware import login_required
+from dashboard.middleware import login_required, no_nul
 from dashboard.views import actions, approvals, audit, diff, run, runs, slo
 
 app_name = "dashboard"
@@ -31,8 +31,9 @@ urlpatterns = [
 
 
 def _guarded(pattern: URLPattern) -> URLPattern:
-    # Every dashboard page needs a login: checked here once, not remembered per view.
-    pattern.callback = login_required(pattern.callback)
+    # Every dashboard page needs a login, and takes no NUL character in a parameter: checked
+    # here once, not remembered per view.
+    pattern.callback = login_required(no_nul(pattern.callback))
     return pattern
 
 

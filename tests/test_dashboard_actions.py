@@ -512,3 +512,31 @@ def test_send_the_message_a_run_waits_for_once(as_operator):
         assert state_of(run.id)["reply"] == {"text": "yes"}
     finally:
         registry.unregister("dash-chat")
+
+
+def test_a_nul_character_in_a_parameter_is_a_400_that_changes_nothing(as_operator):
+    run = waiting_run("NUL?")
+    for target, params in [
+        (reverse("dashboard:runs"), {"q": "a\x00b"}),
+        (reverse("dashboard:runs"), {"agent": "\x00"}),
+        (reverse("dashboard:audit"), {"actor": "\x00"}),
+        (reverse("dashboard:slo"), {"agent": "x\x00"}),
+    ]:
+        response = as_operator.get(target, params)
+        assert response.status_code == 400, target
+        assert "holds a NUL character" in text_of(response), target
+    before = counts()
+    response = as_operator.post(url("cancel", run.id), {"cancel-reason": "stop\x00now"})
+    assert response.status_code == 400 and "cancel-reason" in text_of(response)
+    assert counts() == before and Run.objects.get(pk=run.id).status == RunStatus.WAITING
+
+
+def test_a_json_form_nested_too_deeply_is_a_form_error(as_operator):
+    run = finished_run()
+    deep = "[" * 200_000 + "]" * 200_000
+    before = counts()
+    response = as_operator.post(
+        url("fork", run.id), {"from_seq": 1, "state": deep, "action": "check", "token": ""}
+    )
+    assert response.status_code == 422 and "nested too deeply" in text_of(response)
+    assert counts() == before

@@ -122,6 +122,38 @@ def test_failed_runs_and_effects_in_doubt_notify_too(channels, faults):
     assert failed["error"] == "Boom: <b>bad</b>"
 
 
+def test_an_error_message_over_several_lines_makes_a_one_line_subject(channels):
+    run = waiting_run("Multi-line?")
+    operations.cancel(run.id, by="olive", reason="x")
+    Event.objects.create(
+        run=run, kind=EventKind.FAILED, step="pay", reason="RateLimitError: 429\nretry\r\n in 20s"
+    )
+    counts = notifications.run_once()
+    assert counts["failed"] == 0 and counts["retry"] == 0
+    failed = next(m for m in mail.outbox if "RateLimitError" in m.subject)
+    assert "\n" not in failed.subject and "\r" not in failed.subject
+    assert "RateLimitError: 429 retry in 20s" in failed.subject
+    # The webhook keeps the message as it was.
+    body = next(b for _, b in channels.requests if b["event"] == "run.failed")
+    assert body["error"] == "RateLimitError: 429\nretry\r\n in 20s"
+
+
+def test_a_sender_that_breaks_holds_back_only_its_own_notification(channels, monkeypatch):
+    waiting_run("First?")
+    waiting_run("Second?")
+
+    def broken(note):
+        raise ValueError("the mail backend broke")
+
+    monkeypatch.setitem(notifications.SENDERS, "email", broken)
+    counts = notifications.run_once()
+    assert counts == {"new": 4, "sent": 2, "retry": 2, "failed": 0}
+    emails = Notification.objects.filter(channel="email")
+    assert {(n.status, n.attempts) for n in emails} == {("pending", 1)}
+    assert all("ValueError: the mail backend broke" in n.last_error for n in emails)
+    assert all(n.next_attempt_at > timezone.now() for n in emails)
+
+
 def test_a_failing_webhook_is_retried_with_backoff_then_sent(channels, settings):
     settings.DURABILITY_NOTIFY_EMAIL_TO = []
     waiting_run()

@@ -181,6 +181,23 @@ def test_poll_cursor_never_skips_rows():
     cursor = timeline.Cursor(5, 7, 2, "2026-01-01T00:00:00+00:00", 3)
     assert timeline.Cursor.decode(cursor.encode()) == cursor
     assert timeline.Cursor.decode("garbage") is None
+    # The right shape, a date that does not exist.
+    assert timeline.Cursor.decode("0.0.0.0.2020-13-45T00:00:00") is None
+    assert timeline.decode_before("2020-13-45T00:00:00|0|0") is None
+
+
+def test_cursors_with_dates_that_do_not_exist_are_not_errors(as_operator):
+    run = waiting_run("Odd dates?")
+    earlier = as_operator.get(
+        reverse("dashboard:timeline", args=[run.id]), {"before": "2020-13-45T00:00:00|0|0"}
+    )
+    assert earlier.status_code == 404
+    poll = as_operator.get(
+        run_url(run),
+        {"live": "x", "acts": "y", "head": 0, "cursor": "0.0.0.0.2020-13-45T00:00:00"},
+        HTTP_HX_REQUEST="true",
+    )
+    assert poll.status_code == 200
 
 
 def test_timeline_pages_back_in_time(as_operator):
