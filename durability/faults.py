@@ -35,6 +35,7 @@ POINTS = (
     "after_spawn",  # a child run was created; the parent's step has not checkpointed
     "in_commit",  # inside the checkpoint transaction, before COMMIT
     "after_commit",  # the checkpoint committed; the worker has not moved on
+    "in_snapshot",  # writing a snapshot, after its checkpoint committed
     "suspended",  # the run was suspended (waiting for approval, a timer...)
     "before_ack",  # the task is done; Celery has not acknowledged the message
     "sweep",  # inside the sweeper, after it chose what to recover

@@ -82,6 +82,28 @@ def test_pipeline_checkpoints_every_step_and_verifies():
     assert Event.objects.get(run=run, kind=EventKind.CREATED).actor == "alice"
 
 
+@pytest.mark.smoke
+def test_a_snapshot_that_fails_after_its_commit_does_not_rerun_the_step(faults):
+    """The checkpoint committed; only its snapshot (written after it, and on the step's own
+    path on SQLite) failed. Running the step again would apply it twice."""
+
+    def grow(state, ctx):
+        CALLS["grow"] += 1
+        state["n"] += 1
+        state["blob"] = f"{state['n']}" * 70_000  # past the inline size: a separate write
+        return "grow" if state["n"] < 4 else None
+
+    agent("snapshot-fails", steps={"grow": grow}, initial_state=lambda i: {"n": 0, "blob": ""})
+    faults.set({"point": "in_snapshot", "action": "raise"})
+    run = drive(operations.start("snapshot-fails", {}).id)
+    assert faults.fired() == 1
+    assert run.status == RunStatus.SUCCEEDED
+    assert state_of(run.id)["n"] == 4 and CALLS["grow"] == 4
+    assert [cp.step for cp in Checkpoint.objects.filter(run=run).order_by("seq")][1:] == [
+        "grow"
+    ] * 4
+
+
 def test_crash_after_a_call_before_its_record_reruns_only_that_call(faults):
     def step(state, ctx):
         state["a"] = ctx.call("a", tool, "a")
