@@ -508,9 +508,9 @@ def plan_rollback(
         .exclude(status__in=(EffectStatus.FAILED, EffectStatus.RETRY))
         .order_by("id")
     ]
-    pending = Approval.objects.filter(
-        run=run, status=ApprovalStatus.PENDING, base_id__in=abandoned - {target.id}
-    ).count()
+    # Every pending approval, the target's own included: the new head is a checkpoint of its
+    # own, so whatever the new branch asks, it asks anew under that identity.
+    pending = Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).count()
     return RollbackPlan(
         run=run,
         target=target,
@@ -577,10 +577,9 @@ def rollback(
             created_by=by,
         )
         Mutation.objects.create(checkpoint=cp, ops="[]", count=0)
-        abandoned_pending = Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).exclude(
-            base_id=target.id
+        Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).update(
+            status=ApprovalStatus.SUPERSEDED, comment="rolled back"
         )
-        abandoned_pending.update(status=ApprovalStatus.SUPERSEDED, comment="rolled back")
         # Unfinished children the abandoned branch spawned are cancelled; the new branch
         # spawns its own when it gets there.
         for child in Run.objects.filter(parent_run=run, spawn_base_id__in=plan.abandoned).exclude(

@@ -165,6 +165,20 @@ def test_rollback_to_the_head_is_refused():
         operations.rollback(run.id, 0)
 
 
+def test_rollback_supersedes_an_approval_asked_at_the_target_itself():
+    """At the periodic level an approval is recorded under the interrupted step's replay
+    base, which can be the very checkpoint rolled back to; the new branch asks anew."""
+    run = operations.start("ops-chain", {})
+    drive(run.id)
+    target = Checkpoint.objects.get(run=run, seq=1)
+    Approval.objects.filter(run=run).update(base=target)
+    assert operations.plan_rollback(run.id, 1).approvals_superseded == 1
+    operations.rollback(run.id, 1)
+    assert Approval.objects.get(run=run).status == ApprovalStatus.SUPERSEDED
+    assert drive(run.id).wait_reason == "approval"
+    assert Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).count() == 1
+
+
 def test_decision_on_an_approval_asked_before_a_rollback_is_refused():
     run = operations.start("ops-chain", {})
     drive(run.id)
