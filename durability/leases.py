@@ -347,11 +347,17 @@ class LeaseKeeper:
                 return False  # after a reconnect someone else holds the run
             return renew(self.run_id, self._token)
         except DatabaseError:
-            # The database is unreachable: keep trying. A dropped session freed the advisory
-            # lock, so take it again before the next renewal.
+            # A dropped session freed the advisory lock: until it is taken again the sweeper
+            # sees a dead worker and gives the run away, so take it back at once, not a
+            # heartbeat later. If the database is unreachable, keep trying.
             log.warning("heartbeat for run %s failed; retrying", self.run_id, exc_info=True)
             lock.held = False
             connection.close()
+            try:
+                if not lock.acquire():
+                    return False  # someone else holds the run now
+            except DatabaseError:
+                connection.close()
             return True
 
 

@@ -613,6 +613,8 @@ def rollback(
             updated_at=Now(),
         )
         run.refresh_from_db()
+        if finished:
+            wake_parent(run)  # a child rolled back to its end has finished: its parent may go on
         _event(
             run,
             EventKind.ROLLBACK,

@@ -55,6 +55,7 @@ def sweep(limit: int = 500) -> SweepReport:
     _recover_dead(report, limit)
     _wake_timers(report, limit)
     _wake_parents(report, limit)
+    _wake_resolved_doubts(report, limit)
     _expire_approvals(report, limit)
     _ring_forgotten(report, limit)
     if report:
@@ -150,19 +151,42 @@ def _queue_waiting(run_ids: list) -> None:
 
 
 def _wake_parents(report: SweepReport, limit: int) -> None:
-    """Parents waiting on child runs that have all finished: the wake-up a worker that died
-    right after its child's last commit never delivered."""
+    """Parents waiting on child runs, one of which finished since the parent suspended: the
+    wake-up that a worker dying right after its child's last commit never delivered. The
+    parent's step checks what it joined again (it may have joined only some of them) and
+    suspends anew if it must wait on."""
     from durability.models import FINISHED
 
     with transaction.atomic():
         waiting = _pick(Q(status=RunStatus.WAITING, wait_reason=WaitReason.CHILDREN), limit)
+        since = dict(Run.objects.filter(pk__in=waiting).values_list("id", "updated_at"))
         done = [
             run_id
             for run_id in waiting
-            if not Run.objects.filter(parent_run_id=run_id).exclude(status__in=FINISHED).exists()
+            if Run.objects.filter(
+                parent_run_id=run_id, status__in=FINISHED, finished_at__gte=since[run_id]
+            ).exists()
+            or not Run.objects.filter(parent_run_id=run_id).exclude(status__in=FINISHED).exists()
         ]
         _queue_waiting(done)
     report.timers.extend(str(r) for r in done)
+
+
+def _wake_resolved_doubts(report: SweepReport, limit: int) -> None:
+    """Runs waiting in doubt whose effects all have a known outcome now: recorded late by
+    a worker that had lost the run, whose own wake-up did not get through."""
+    from durability.models import Effect, EffectStatus
+
+    with transaction.atomic():
+        waiting = _pick(Q(status=RunStatus.WAITING, wait_reason=WaitReason.IN_DOUBT), limit)
+        unknown = set(
+            Effect.objects.filter(
+                run_id__in=waiting, status__in=(EffectStatus.IN_DOUBT, EffectStatus.PENDING)
+            ).values_list("run_id", flat=True)
+        )
+        known = [run_id for run_id in waiting if run_id not in unknown]
+        _queue_waiting(known)
+    report.timers.extend(str(r) for r in known)
 
 
 def _expire_approvals(report: SweepReport, limit: int) -> None:

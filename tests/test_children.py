@@ -37,6 +37,22 @@ def agents():
         return END
 
 
+@pytest.fixture
+def picky_parent():
+    """Joins only the first of the children it spawns."""
+    registry.unregister("x-picky")
+    parent = Agent("x-picky", initial_state=lambda inp: {"ns": inp["ns"]})
+
+    @parent.step(start=True)
+    def fan_out(state, ctx):
+        kids = [ctx.spawn("x-child", {"n": n}, key=f"k-{i}") for i, n in enumerate(state["ns"])]
+        state["first"] = ctx.join(kids[:1])
+        return END
+
+    yield parent
+    registry.unregister("x-picky")
+
+
 def drive_tree(run_id):
     """Drive the parent and its children in this process until the parent settles."""
     for _ in range(20):
@@ -123,3 +139,42 @@ def test_rollback_cancels_unfinished_children_of_the_abandoned_branch():
     operations.decide(second_child.id, "hold", approve=True, by="ops")
     assert drive_tree(run.id).status == RunStatus.SUCCEEDED
     assert state_of(run.id)["results"][0]["result"]["square"] == 99 * 99
+
+
+def test_a_lost_wake_up_of_a_parent_joined_on_some_children_is_delivered(picky_parent, faults):
+    from durability import recovery
+
+    run = operations.start("x-picky", {"ns": [2, 99]})  # the second child waits for a person
+    assert drive(run.id).wait_reason == "children"
+    first = Run.objects.get(parent_run=run, spawn_key="k-0")
+    # The child's last commit happens, then its worker dies before telling the parent.
+    faults.set({"point": "after_commit", "when": {"run": str(first.id)}, "action": "crash"})
+    assert drive(first.id).status == RunStatus.SUCCEEDED
+    assert faults.fired() == 1
+    assert Run.objects.get(pk=run.id).status == RunStatus.WAITING
+    recovery.sweep()
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED
+    assert [r["result"]["square"] for r in state_of(run.id)["first"]] == [4]
+    second = Run.objects.get(parent_run=run, spawn_key="k-1")
+    assert not second.is_finished  # the parent did not wait for it
+    # Spurious wake-ups do not happen: a parent still waiting on what it joined stays put.
+    again = operations.start("x-picky", {"ns": [99, 2]})
+    assert drive(again.id).wait_reason == "children"
+    for child in Run.objects.filter(parent_run=again):
+        drive(child.id)
+    recovery.sweep()
+    assert drive(again.id).wait_reason == "children"
+
+
+def test_rolling_a_child_back_to_its_end_wakes_its_parent():
+    run = operations.start("x-parent", {"ns": [3]})
+    drive(run.id)
+    child = Run.objects.get(parent_run=run)
+    assert drive(child.id).status == RunStatus.SUCCEEDED  # checkpoints #0 and #1 (the end)
+    operations.rollback(child.id, 0, reason="again")
+    assert drive(run.id).wait_reason == "children"  # its child is not finished any more
+    operations.rollback(child.id, 1, reason="it was right")  # finished again, by rollback
+    assert Run.objects.get(pk=run.id).status == RunStatus.QUEUED
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert state_of(run.id)["results"][0]["result"]["square"] == 9

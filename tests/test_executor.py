@@ -210,6 +210,56 @@ def test_effect_whose_outcome_is_unknown_waits_in_doubt_until_resolved(faults):
     assert state_of(run.id)["receipt"] == {"sent": "card"}
 
 
+def test_an_outcome_recorded_after_the_run_was_suspended_in_doubt_wakes_it():
+    """The worker doing the effect lost the run meanwhile (a heartbeat that failed), and the
+    worker that took it over found the effect unfinished and suspended the run in doubt.
+    The first worker's late result is the outcome: it wakes the run, which goes on with it."""
+    from django.db.models import F
+
+    def charge(what: str, *, idempotency_key: str):
+        CALLS["charge"] += 1
+        run_id = idempotency_key.split(":")[0]
+        # What the worker that took the run over writes, while this call is in flight.
+        Run.objects.filter(pk=run_id).update(
+            status=RunStatus.WAITING,
+            wait_reason="in_doubt",
+            lease_token=F("lease_token") + 1,
+            lease_owner="",
+        )
+        Effect.objects.filter(run_id=run_id).update(status=EffectStatus.IN_DOUBT)
+        return {"charged": what}
+
+    def step(state, ctx):
+        state["receipt"] = ctx.effect("charge", charge, "card")
+
+    agent("x-late", steps=[step])
+    run = operations.start("x-late", {})
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, (done.status, done.wait_reason)
+    assert CALLS["charge"] == 1 and state_of(run.id)["receipt"] == {"charged": "card"}
+    assert Effect.objects.get(run=run).status == EffectStatus.DONE
+
+
+def test_the_sweeper_wakes_a_run_in_doubt_whose_outcome_became_known(faults):
+    from durability import recovery
+
+    def step(state, ctx):
+        state["receipt"] = ctx.effect("charge", effect_fn, "card")
+
+    agent("x-doubt-late", steps=[step])
+    faults.set({"point": "after_effect", "action": "crash"})
+    run = operations.start("x-doubt-late", {})
+    assert drive(run.id).wait_reason == "in_doubt"
+    recovery.sweep()
+    assert Run.objects.get(pk=run.id).wait_reason == "in_doubt"  # still unknown: stays
+    # A late write of the outcome whose wake-up did not get through.
+    Effect.objects.filter(run=run).update(status=EffectStatus.DONE, result='{"sent":"card"}')
+    recovery.sweep()
+    assert Run.objects.get(pk=run.id).status == RunStatus.QUEUED
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert CALLS["effect:card"] == 1 and state_of(run.id)["receipt"] == {"sent": "card"}
+
+
 def test_idempotent_effect_is_repeated_with_the_same_key(faults):
     def step(state, ctx):
         state["receipt"] = ctx.effect("put", effect_fn, "doc", idempotent=True)
