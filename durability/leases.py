@@ -108,6 +108,27 @@ class LivenessLock:
             connection.close()  # closing the session frees the lock as well
 
 
+def end_stalled_holder(run_id: Any) -> int:
+    """End the database session that still holds the liveness lock of a run whose lease
+    expired: a process stopped or cut off from its workers while its session lives on
+    (SIGSTOP, a paused VM, a partition the server has not noticed). Until that session ends,
+    every worker the run is sent to would find it held and leave it alone. The stalled
+    process, if it ever resumes, finds its connection gone and its token outdated. Returns
+    the number of sessions ended (PostgreSQL; elsewhere the lock dies with the process)."""
+    if connection.vendor != "postgresql":
+        return 0
+    key = advisory_key(run_id) & 0xFFFFFFFFFFFFFFFF
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_locks"
+            " WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+            " AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND pid <> pg_backend_pid()"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [key >> 32, key & 0xFFFFFFFF],
+        )
+        return int(cur.fetchone()[0])
+
+
 def live_owners(run_ids: list[Any]) -> set[str]:
     """Of ``run_ids``, those whose liveness lock some process holds now."""
     if not run_ids:
@@ -395,6 +416,7 @@ def release(run_id: Any, token: int, **fields: Any) -> bool:
 
 __all__ = [
     "Claim",
+    "end_stalled_holder",
     "LeaseKeeper",
     "LivenessLock",
     "advisory_key",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 
@@ -114,6 +114,15 @@ def _recover_dead(report: SweepReport, limit: int) -> None:
                 ).decode(),
             )
             dispatch.ring(run_id)
+        if why == "lease expired":
+            # Expired, yet its lock is held: the process stalled with its session alive.
+            try:
+                ended = leases.end_stalled_holder(run_id)
+            except DatabaseError:
+                log.warning("run %s: could not end the stalled session", run_id, exc_info=True)
+            else:
+                if ended:
+                    log.warning("run %s: ended the session of a stalled worker", run_id)
         report.recovered.append(str(run_id))
 
 

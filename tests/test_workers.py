@@ -217,6 +217,33 @@ def test_sigterm_to_the_pool_process_abandons_a_long_step_cleanly(running, llm):
     alive_workers(running)
 
 
+def test_a_stalled_worker_whose_session_lives_on_is_taken_over(running, llm):
+    """SIGSTOP: the process neither dies nor beats, and its database session (holding the
+    run's liveness lock) stays open. Once the lease expires the sweeper ends that session,
+    so another worker can take the run instead of finding it locked forever."""
+    run = operations.start("test-loop", {"n": 6, "slow_ms": 300})
+    wait_until(lambda: Run.objects.get(pk=run.id).head_seq >= 2, timeout=30)
+    owner = Run.objects.get(pk=run.id).lease_owner
+    stalled = int(owner.rsplit(":", 1)[1])
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        done = finished(run.id, timeout=60)
+        assert done.status == RunStatus.SUCCEEDED
+        lost = Event.objects.get(run=run, kind=EventKind.LEASE_LOST)
+        assert lost.reason == "lease expired"
+        claims = Event.objects.filter(run=run, kind=EventKind.CLAIMED).order_by("id")
+        assert claims.last().worker != owner
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    # Woken up, the stalled process finds its session ended and its token outdated: it
+    # writes nothing more.
+    time.sleep(2)
+    head = Run.objects.get(pk=run.id).head_seq
+    assert operations.verify(run.id)[0].ok
+    assert Run.objects.get(pk=run.id).head_seq == head
+    alive_workers(running)
+
+
 def test_sigkill_between_spawning_and_recording_makes_one_child(running, llm, cluster_faults):
     cluster_faults.set({"point": "after_spawn", "when": {"key": "child-1"}, "action": "kill"})
     run = operations.start("test-parent", {"sizes": [2, 3]})
