@@ -3,7 +3,8 @@
 - A finished run is deleted ``keep_days`` after it ended (its checkpoints, journal, effects,
   approvals, messages and events with it).
 - With ``keep_checkpoints="snapshots"``, a finished run's checkpoints older than
-  ``compact_after_days`` that carry no snapshot are removed; the first checkpoint kept after
+  ``compact_after_days`` that carry no snapshot and are the identity of no effect,
+  approval, consumed message, child run or replay are removed; the first checkpoint kept after
   each removed stretch gets a snapshot of its own and remembers its removed parent's chain
   hash, so that every checkpoint left rebuilds to exactly the state it did before and still
   verifies. A run is verified before (a run that does not verify is left alone) and after
@@ -191,16 +192,35 @@ def _delete(run: Run) -> None:
 
 def _removable(run: Run, cutoff: Any) -> list[int]:
     """Checkpoint ids that compaction may remove: older than the cutoff, not the head, no
-    snapshot of their own."""
-    snapshot_ids = set(
-        Snapshot.objects.filter(checkpoint__run=run).values_list("checkpoint_id", flat=True)
+    snapshot of their own, and not the identity of a record that must outlive it: an effect
+    (what was done, and under which idempotency key), an approval (who decided), a message
+    (consumed there, so a resume or a rollback does not deliver it again), a child run, or an
+    interrupted step's replay. Journaled calls go with their checkpoint: a run re-executes
+    only from its head, which stays."""
+    kept = set(Snapshot.objects.filter(checkpoint__run=run).values_list("checkpoint_id", flat=True))
+    kept |= set(Effect.objects.filter(run=run).values_list("base_id", flat=True))
+    kept |= set(Approval.objects.filter(run=run).values_list("base_id", flat=True))
+    kept |= set(
+        Message.objects.filter(run=run)
+        .exclude(consumed_base=None)
+        .values_list("consumed_base_id", flat=True)
+    )
+    kept |= set(
+        Checkpoint.objects.filter(run=run)
+        .exclude(replay_base=None)
+        .values_list("replay_base_id", flat=True)
+    )
+    kept |= set(
+        Run.objects.filter(parent_run=run)
+        .exclude(spawn_base=None)
+        .values_list("spawn_base_id", flat=True)
     )
     return [
         cp_id
         for cp_id, seq in Checkpoint.objects.filter(run=run, created_at__lt=cutoff)
         .order_by("seq")
         .values_list("id", "seq")
-        if seq != run.head_seq and cp_id not in snapshot_ids
+        if seq != run.head_seq and cp_id not in kept
     ]
 
 

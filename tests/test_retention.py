@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(autouse=True)
 def agents():
-    for name in ("x-keep", "x-compact"):
+    for name in ("x-keep", "x-compact", "x-compact-effects"):
         registry.unregister(name)
     keep = Agent("x-keep", keep_days=30, initial_state=lambda inp: {"n": 0})
 
@@ -42,6 +42,23 @@ def agents():
         state["n"] += 1
         state["log"].append("x" * 200)  # patches stay smaller than the state: deltas pile up
         return "grow" if state["n"] < 30 else END
+
+    effects = Agent(
+        "x-compact-effects",
+        keep_checkpoints="snapshots",
+        compact_after_days=7,
+        initial_state=lambda inp: {"log": [], "n": 0},
+    )
+
+    @effects.step(start=True)
+    def work(state, ctx):
+        state["n"] += 1
+        state["log"].append("x" * 200)
+        if state["n"] == 5:
+            state["said"] = ctx.wait_for("note")
+        if state["n"] == 10:
+            state["paid"] = ctx.effect("pay", lambda *, idempotency_key: {"ok": True})
+        return "work" if state["n"] < 30 else END
 
 
 def age(run_id, days: float) -> None:
@@ -103,3 +120,23 @@ def test_a_held_run_is_never_compacted():
     assert prune().compacted == {}
     hold(run.id, on=False, by="legal")
     assert str(run.id) in prune().compacted
+
+
+def test_compaction_keeps_the_checkpoints_effects_and_messages_belong_to():
+    """Removing them would delete the record of a payment (and cascade its effect row away)
+    or hand a consumed message back to the inbox: a resume would pay or deliver again."""
+    from durability.models import Effect, EffectStatus, Message
+
+    run = operations.start("x-compact-effects", {})
+    operations.send(run.id, "note", {"hi": 1}, by="t")
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    effect = Effect.objects.get(run=run)
+    message = Message.objects.get(run=run)
+    bases = {effect.base_id, message.consumed_base_id}
+    age(run.id, 10)
+    report = prune()
+    assert report.compacted[str(run.id)] > 10
+    assert set(Checkpoint.objects.filter(pk__in=bases).values_list("pk", flat=True)) == bases
+    assert Effect.objects.get(pk=effect.pk).status == EffectStatus.DONE
+    assert Message.objects.get(pk=message.pk).consumed_base_id == message.consumed_base_id
+    assert operations.verify(run.id)[0].ok
