@@ -500,7 +500,17 @@ def plan_rollback(
             "id", "parent_id"
         )
     )
-    abandoned = set(_ancestors(head_id, parents)) - set(_ancestors(target.parent_id, parents))
+    on_branch = _ancestors(head_id, parents)
+    if target.id not in on_branch and Message.objects.filter(run=run).exists():
+        # A message keeps only its latest delivery: which of them the target's own branch
+        # consumed is no longer known, so going there could deliver one a second time.
+        raise InvalidInput(
+            f"checkpoint #{target.seq} is not on the run's current branch, and the run has"
+            " messages whose delivery along that branch is no longer recorded; roll back to a"
+            " checkpoint on the current branch, or fork from this one",
+            run_id=run.id,
+        )
+    abandoned = set(on_branch) - set(_ancestors(target.parent_id, parents))
     seq_of = dict(Checkpoint.objects.filter(run=run).values_list("id", "seq"))
     effects = [
         EffectDone(e.key, e.idempotency_key, e.step, seq_of.get(e.base_id, -1), e.status)

@@ -103,6 +103,24 @@ def test_rollback_puts_consumed_messages_back_in_order():
     assert state_of(run.id)["turns"] == ["a", "b", "c"]
 
 
+def test_rollback_off_the_current_branch_is_refused_when_messages_could_repeat():
+    run = operations.start("x-chat", {})
+    operations.send(run.id, "user", "m1")
+    drive(run.id)  # #1 holds m1, waits for the next message
+    operations.rollback(run.id, 0, by="ops")  # m1 goes back to the inbox
+    drive(run.id)  # consumed again on the new branch
+    assert state_of(run.id)["turns"] == ["m1"]
+    head = Run.objects.get(pk=run.id).head_seq
+    with pytest.raises(InvalidInput) as err:
+        operations.rollback(run.id, 1, by="ops")  # #1 is on the abandoned branch
+    assert "not on the run's current branch" in str(err.value) and "fork" in str(err.value)
+    assert Run.objects.get(pk=run.id).head_seq == head
+    assert Message.objects.get(run=run).consumed_base_id is not None
+    # Going back along the current branch still works.
+    operations.rollback(run.id, 0, by="ops")
+    assert Message.objects.get(run=run).consumed_base_id is None
+
+
 def test_a_start_retried_with_its_key_returns_the_same_run():
     first = operations.start("x-chat", {"topic": 1}, idempotency_key="order-7")
     again = operations.start("x-chat", {"topic": 1}, idempotency_key="order-7")
