@@ -37,6 +37,9 @@ def parse_json(text: str, what: str) -> Any:
 class ReasonForm(forms.Form):
     reason = forms.CharField(max_length=REASON_MAX, required=False, widget=forms.TextInput)
     token = TokenField()
+    # The run's status as the page showed it: acting on a run that changed meanwhile (a
+    # colleague cancelled it) is refused. Absent, from a script: not checked.
+    status = forms.CharField(max_length=16, required=False, widget=forms.HiddenInput)
 
     def __init__(self, *args: Any, reason_required: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -49,6 +52,7 @@ class RollbackForm(forms.Form):
     # The head the confirmation was shown for: if the run moved on meanwhile (another
     # operator acted, the run advanced), the confirmation is stale and is refused.
     expected_head = forms.IntegerField(widget=forms.HiddenInput)
+    expected_status = forms.CharField(max_length=16, required=False, widget=forms.HiddenInput)
     reason = forms.CharField(
         max_length=REASON_MAX, widget=forms.TextInput, help_text="Recorded in the audit log."
     )
@@ -98,6 +102,8 @@ class ResolveForm(forms.Form):
     )
     note = forms.CharField(max_length=REASON_MAX, required=False, widget=forms.TextInput)
     token = TokenField()
+    # The attempts the page showed: a decision about attempt 1 must not settle attempt 2.
+    attempts = forms.IntegerField(min_value=0, required=False, widget=forms.HiddenInput)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -365,11 +365,23 @@ def _create_run(
 # --- resume and cancel ------------------------------------------------------------------------
 
 
-def resume(ref: Any, *, by: str = "", reason: str = "") -> Run:
+def _check_status(run: Run, expected_status: str | None) -> None:
+    """A decision made on a page showing the run in one state must not act on another: an
+    operator resuming a waiting run must not revive one a colleague cancelled meanwhile."""
+    if expected_status is not None and run.status != expected_status:
+        raise InvalidTransition(
+            f"the run changed since this was shown: it is {run.status} now, not"
+            f" {expected_status}; review it again",
+            run_id=run.id,
+        )
+
+
+def resume(ref: Any, *, by: str = "", reason: str = "", expected_status: str | None = None) -> Run:
     """Queue a failed, cancelled or waiting run again from its head checkpoint, which must
-    verify first."""
+    verify first. ``expected_status``: the status the operator saw; refused if it changed."""
     with transaction.atomic():
         run = _locked(ref)
+        _check_status(run, expected_status)
         if run.status == RunStatus.SUCCEEDED:
             raise InvalidTransition(
                 "the run succeeded; there is nothing to resume (roll back or fork it to run"
@@ -539,14 +551,17 @@ def rollback(
     by: str = "",
     reason: str = "",
     expected_head: int | None = None,
+    expected_status: str | None = None,
 ) -> RollbackResult:
     """Make a new head whose state equals checkpoint ``to_seq`` and queue the run from
     there. History is kept; effects done after the target are listed, not undone.
 
-    ``expected_head``: the head the operator's confirmation was made for; if the run has
-    moved since (another operator, or the run itself), the rollback is refused."""
+    ``expected_head`` and ``expected_status``: the head and status the operator's
+    confirmation was made for; if either changed since (another operator cancelled it, the
+    run moved on), the rollback is refused."""
     with transaction.atomic():
         run = _locked(ref)
+        _check_status(run, expected_status)
         if expected_head is not None and run.head_seq != expected_head:
             raise InvalidTransition(
                 f"the run changed since this rollback was reviewed: its head moved from"
@@ -906,9 +921,12 @@ def resolve_effect(
     result: Any = None,
     by: str = "",
     note: str = "",
+    expected_attempts: int | None = None,
 ) -> Effect:
     """Say what happened to an effect in doubt: ``done`` (with its result), ``failed``
-    (raised into the step as ``EffectFailed``) or ``retry`` (perform it again, same key)."""
+    (raised into the step as ``EffectFailed``) or ``retry`` (perform it again, same key).
+    ``expected_attempts``: the attempts the operator saw; if the effect was performed again
+    since (a colleague chose retry), what they checked is out of date and it is refused."""
     if outcome not in ("done", "failed", "retry"):
         raise InvalidInput(f"outcome must be done, failed or retry, not {outcome!r}")
     with transaction.atomic():
@@ -920,6 +938,12 @@ def resolve_effect(
             raise InvalidTransition(
                 f"effect {effect.key!r} is {effect.status}; only an effect in doubt can be"
                 " resolved",
+                run_id=run.id,
+            )
+        if expected_attempts is not None and effect.attempts != expected_attempts:
+            raise InvalidTransition(
+                f"effect {effect.key!r} was performed again since this was shown (attempt"
+                f" {effect.attempts}, not {expected_attempts}); review it again",
                 run_id=run.id,
             )
         fields: dict[str, Any] = {"resolved_by": by, "resolution_note": note}

@@ -540,3 +540,60 @@ def test_a_json_form_nested_too_deeply_is_a_form_error(as_operator):
     )
     assert response.status_code == 422 and "nested too deeply" in text_of(response)
     assert counts() == before
+
+
+def test_a_stale_rollback_or_resume_does_not_revive_a_run_cancelled_meanwhile(as_operator):
+    run = waiting_run("Revive?")
+    run_page = text_of(as_operator.get(url("run", run.id)))
+    assert 'name="resume-status" value="waiting"' in run_page
+    confirm = text_of(as_operator.get(url("rollback", run.id), {"to": 1}))
+    operations.cancel(run.id, by="ann", reason="runaway, stop it")
+    rollback = as_operator.post(
+        url("rollback", run.id),
+        {
+            "checkpoint_id": run.checkpoints.get(seq=1).id,
+            "expected_head": run.head_seq,
+            "expected_status": "waiting",
+            "reason": "go back",
+            "token": form_token(confirm),
+        },
+    )
+    assert rollback.status_code == 409
+    assert "it is cancelled now, not waiting" in text_of(rollback)
+    resume = as_operator.post(
+        url("resume", run.id),
+        {"resume-status": "waiting", "resume-token": form_token(run_page, "resume")},
+    )
+    assert resume.status_code == 409 and "it is cancelled now" in text_of(resume)
+    assert Run.objects.get(pk=run.id).status == RunStatus.CANCELLED
+    assert not Event.objects.filter(run=run, kind__in=["rollback", "resumed"]).exists()
+    # A deliberate resume of the cancelled run, from a page showing it cancelled, works.
+    fresh = text_of(as_operator.get(url("run", run.id)))
+    assert 'name="resume-status" value="cancelled"' in fresh
+    again = as_operator.post(
+        url("resume", run.id),
+        {"resume-status": "cancelled", "resume-token": form_token(fresh, "resume")},
+    )
+    assert again.status_code == 302 and Run.objects.get(pk=run.id).status == RunStatus.QUEUED
+
+
+def test_a_stale_resolve_form_does_not_settle_an_effect_performed_again(as_operator, faults):
+    from django.db.models import F
+
+    run, effect = in_doubt_run(faults)
+    page = text_of(as_operator.get(url("resolve", run.id, effect.pk)))
+    assert f'name="attempts" value="{effect.attempts}"' in page
+    retry = as_operator.post(
+        url("resolve", run.id, effect.pk), {"outcome": "retry", "attempts": effect.attempts}
+    )
+    assert retry.status_code == 302
+    # The worker performs it again (what ctx.effect writes before calling it).
+    Effect.objects.filter(pk=effect.pk).update(
+        attempts=F("attempts") + 1, status=EffectStatus.PENDING, resolved_by=""
+    )
+    stale = as_operator.post(
+        url("resolve", run.id, effect.pk),
+        {"outcome": "done", "result": '{"fake": true}', "attempts": effect.attempts},
+    )
+    assert stale.status_code == 409 and "performed again since this was shown" in text_of(stale)
+    assert Effect.objects.get(pk=effect.pk).status == EffectStatus.PENDING

@@ -99,7 +99,12 @@ def resume(request: HttpRequest, ref: str) -> HttpResponse:
             sub = _spend_if_given(
                 form.cleaned_data["token"], action="resume", request=request, run=run
             )
-            resumed = operations.resume(run, by=_who(request), reason=form.cleaned_data["reason"])
+            resumed = operations.resume(
+                run,
+                by=_who(request),
+                reason=form.cleaned_data["reason"],
+                expected_status=form.cleaned_data["status"] or None,
+            )
             if sub is not None:
                 sub.outcome = "The run was resumed."
                 sub.save(update_fields=["outcome"])
@@ -149,7 +154,13 @@ def rollback(request: HttpRequest, ref: str) -> HttpResponse:
         plan = operations.plan_rollback(run, to)
     except DurabilityError as exc:
         return refused(request, run, explain(exc), status_for(exc))
-    form = RollbackForm(initial={"checkpoint_id": plan.target.id, "expected_head": run.head_seq})
+    form = RollbackForm(
+        initial={
+            "checkpoint_id": plan.target.id,
+            "expected_head": run.head_seq,
+            "expected_status": run.status,
+        }
+    )
     return _rollback_page(request, run, plan, form)
 
 
@@ -198,6 +209,7 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
                 by=_who(request),
                 reason=data["reason"],
                 expected_head=data["expected_head"],
+                expected_status=data["expected_status"] or None,
             )
             sub.outcome = (
                 f"It rolled the run back to #{result.target.seq} (new head"
@@ -328,7 +340,8 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
         else None,
     }
     if request.method == "GET":
-        return page(request, "dashboard/resolve.html", {**context, "form": ResolveForm()})
+        form = ResolveForm(initial={"attempts": effect.attempts})
+        return page(request, "dashboard/resolve.html", {**context, "form": form})
     form = ResolveForm(request.POST)
     if not form.is_valid():
         return page(request, "dashboard/resolve.html", {**context, "form": form}, status=422)
@@ -343,6 +356,7 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
                 result=data.get("result_value"),
                 by=_who(request),
                 note=data["note"],
+                expected_attempts=data["attempts"],
             )
             if sub is not None:
                 sub.outcome = f"It marked effect {effect.key} {data['outcome']}."
