@@ -100,6 +100,7 @@ def execute(
     keeper = leases.LeaseKeeper(run_id, worker)
     if not keeper.acquire():
         keeper.stop()
+        _ring_again_if_handed_back(run_id)
         return Outcome.BUSY
     try:
         claim = leases.claim(run_id, worker, owner_dead=True)
@@ -127,6 +128,26 @@ def execute(
             return outcome
     finally:
         keeper.stop()
+
+
+BUSY_RETRY_SECONDS = 0.5
+
+
+def _ring_again_if_handed_back(run_id: Any) -> None:
+    """The run's lock is held, yet nobody holds its lease: the worker that had it handed it
+    back (a yielded slice, a retry) and rang before letting go of the lock. Dropping this
+    delivery would leave the run to the sweeper's next ring, seconds later; ring again in
+    a moment instead. (A worker claiming it right now takes the next delivery as a
+    duplicate.)"""
+    try:
+        handed_back = Run.objects.filter(
+            pk=run_id, status=RunStatus.QUEUED, lease_owner=""
+        ).exists()
+    except DB_DOWN:
+        connection.close()
+        return
+    if handed_back:
+        dispatch.ring(run_id, delay=BUSY_RETRY_SECONDS)
 
 
 def _free_slot(agent: str) -> None:

@@ -724,3 +724,48 @@ def test_a_worker_without_the_agent_hands_the_run_back_instead_of_failing_it():
     assert "has no agent 'x-elsewhere'" in waiting.wait_detail
     agent("x-elsewhere", steps=[step])
     assert drive(run.id).status == RunStatus.SUCCEEDED
+
+
+def test_a_delivery_that_finds_the_lock_of_a_run_handed_back_rings_again():
+    """The worker that yielded a slice rang before letting go of the run's lock: the
+    delivery that lands in between must not be dropped until the sweeper rings again."""
+    import threading
+
+    from django.db import connection as thread_connection
+
+    from durability import dispatch, executor, leases
+    from workers.dispatcher import publish
+
+    def step(state, ctx):
+        state["done"] = True
+
+    agent("x-busy", steps=[step])
+    run = operations.start("x-busy", {})
+    rung: list = []
+    locked, release = threading.Event(), threading.Event()
+
+    def holder():
+        lock = leases.LivenessLock(run.id)
+        try:
+            assert lock.acquire()
+            locked.set()
+            release.wait(30)
+            lock.release()
+        finally:
+            thread_connection.close()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    dispatch.set_dispatcher(lambda run_id, delay: rung.append((run_id, delay)))
+    try:
+        assert locked.wait(10)
+        assert executor.execute(run.id) == executor.Outcome.BUSY
+        assert rung == [(str(run.id), 0.5)]
+        # A live worker holding the lease: the delivery is a duplicate, dropped.
+        Run.objects.filter(pk=run.id).update(status=RunStatus.RUNNING, lease_owner="w:1")
+        assert executor.execute(run.id) == executor.Outcome.BUSY
+        assert len(rung) == 1
+    finally:
+        dispatch.set_dispatcher(publish)
+        release.set()
+        thread.join()
