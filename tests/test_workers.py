@@ -214,6 +214,14 @@ def test_sigterm_to_the_pool_process_abandons_a_long_step_cleanly(running, llm):
     done = finished(run.id, timeout=90)
     assert done.status == RunStatus.SUCCEEDED
     assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
+    # Told to stop, the pool process stopped once it had handed the run back (living on, it
+    # would hand back every run it was given); the pool replaced it.
+    worker = next(w for w in running.workers if w.name in owner)
+    wait_until(
+        lambda: worker.children() and child not in worker.children(),
+        timeout=15,
+        what="the pool process to be replaced",
+    )
     alive_workers(running)
 
 

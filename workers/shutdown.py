@@ -8,7 +8,8 @@ its last checkpoint.
 
 Two paths lead here: SIGTERM to the main process (Celery's warm shutdown; the flag is
 shared with the pool's children through memory inherited across fork) and SIGTERM to a
-child directly (systemd and process-group kills).
+child directly (systemd and process-group kills). A child stopped directly exits once it has
+handed its run back, and the pool replaces it.
 """
 
 from __future__ import annotations
@@ -79,3 +80,17 @@ class executing:  # noqa: N801 - used as a context manager
 
     def __exit__(self, *exc: object) -> None:
         _in_step.clear()
+        if _local.is_set() and threading.current_thread() is threading.main_thread():
+            _exit_after_handing_back()
+
+
+def _exit_after_handing_back() -> None:
+    """A pool child told to stop on its own (SIGTERM to the child, not to the worker) has
+    handed its run back: now it stops, as it was asked to. Living on with the flag set, it
+    would take every run it is given and hand it straight back, in a loop. Its task's message
+    is redelivered (the worker was lost before acknowledging it): a duplicate ring for a run
+    already rung, which is harmless. The pool starts a new child in its place."""
+    if _shared is not None and bool(_shared.value):
+        return  # the whole worker is stopping: Celery's warm shutdown ends this child
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
