@@ -22,16 +22,39 @@ class TokenField(forms.CharField):
         super().__init__(required=False, **kwargs)
 
 
+# Deeper than any state an agent keeps, and well within what the engine walks recursively
+# (redaction, canonical JSON: orjson stops at 255 levels).
+MAX_JSON_DEPTH = 100
+
+
 def parse_json(text: str, what: str) -> Any:
     """JSON from a text box, or a ValidationError that says where it breaks."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise forms.ValidationError(
             f"{what} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from None
     except RecursionError:
-        raise forms.ValidationError(f"{what} is nested too deeply to be read") from None
+        value = None
+    else:
+        if _depth_within(value, MAX_JSON_DEPTH):
+            return value
+    raise forms.ValidationError(
+        f"{what} is nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+    ) from None
+
+
+def _depth_within(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return False
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 class ReasonForm(forms.Form):

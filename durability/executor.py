@@ -131,17 +131,23 @@ def execute(
 
 
 BUSY_RETRY_SECONDS = 0.5
+BUSY_RING_WINDOW_SECONDS = 2.0
 
 
 def _ring_again_if_handed_back(run_id: Any) -> None:
     """The run's lock is held, yet nobody holds its lease: the worker that had it handed it
     back (a yielded slice, a retry) and rang before letting go of the lock. Dropping this
     delivery would leave the run to the sweeper's next ring, seconds later; ring again in
-    a moment instead. (A worker claiming it right now takes the next delivery as a
-    duplicate.)"""
+    a moment instead, for a couple of seconds at most. (A worker claiming it right now
+    takes the next delivery as a duplicate.)"""
     try:
+        # Only just after a hand-back (which sets rung_at): a lock that stays held after
+        # that is the sweeper's to deal with, not a reason to ring on and on.
         handed_back = Run.objects.filter(
-            pk=run_id, status=RunStatus.QUEUED, lease_owner=""
+            pk=run_id,
+            status=RunStatus.QUEUED,
+            lease_owner="",
+            rung_at__gte=leases.db_now_plus(-BUSY_RING_WINDOW_SECONDS),
         ).exists()
     except DB_DOWN:
         connection.close()

@@ -92,6 +92,10 @@ class LivenessLock:
         self.held = True
         return True
 
+    def on_connection(self) -> bool:
+        """Held by a database session (which a dropped connection frees), not by a file."""
+        return self._fd is None
+
     def release(self) -> None:
         if not self.held:
             return
@@ -108,31 +112,37 @@ class LivenessLock:
             connection.close()  # closing the session frees the lock as well
 
 
-def end_stalled_holder(run_id: Any) -> int:
+def end_stalled_holder(run_id: Any, pids: set[int]) -> int:
     """End the database session that still holds the liveness lock of a run whose lease
     expired: a process stopped or cut off from its workers while its session lives on
     (SIGSTOP, a paused VM, a partition the server has not noticed). Until that session ends,
     every worker the run is sent to would find it held and leave it alone. The stalled
-    process, if it ever resumes, finds its connection gone and its token outdated. Returns
-    the number of sessions ended (PostgreSQL; elsewhere the lock dies with the process)."""
-    if connection.vendor != "postgresql":
+    process, if it ever resumes, finds its connection gone and its token outdated.
+
+    Only ``pids``, the sessions seen holding the lock when the lease was judged expired,
+    and only while they still hold it: a worker that took the run since is never touched.
+    Returns the number of sessions ended (PostgreSQL; elsewhere the lock dies with the
+    process)."""
+    if connection.vendor != "postgresql" or not pids:
         return 0
     key = advisory_key(run_id) & 0xFFFFFFFFFFFFFFFF
     with connection.cursor() as cur:
         cur.execute(
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_locks"
             " WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-            " AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND pid <> pg_backend_pid()"
+            " AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND pid = ANY(%s)"
+            " AND pid <> pg_backend_pid()"
             " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            [key >> 32, key & 0xFFFFFFFF],
+            [key >> 32, key & 0xFFFFFFFF, sorted(pids)],
         )
         return int(cur.fetchone()[0])
 
 
-def live_owners(run_ids: list[Any]) -> set[str]:
-    """Of ``run_ids``, those whose liveness lock some process holds now."""
+def lock_holders(run_ids: list[Any]) -> dict[str, set[int]]:
+    """Of ``run_ids``, those whose liveness lock some process holds now, with the database
+    sessions (pids) holding it (none known outside PostgreSQL)."""
     if not run_ids:
-        return set()
+        return {}
     if connection.vendor == "postgresql":
         wanted = {}
         for run_id in run_ids:
@@ -140,12 +150,25 @@ def live_owners(run_ids: list[Any]) -> set[str]:
             wanted[(key >> 32, key & 0xFFFFFFFF)] = str(run_id)
         with connection.cursor() as cur:
             cur.execute(
-                "SELECT classid::bigint, objid::bigint FROM pg_locks"
+                "SELECT classid::bigint, objid::bigint, pid FROM pg_locks"
                 " WHERE locktype = 'advisory' AND granted AND objsubid = 1"
                 " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             )
-            held = {(int(a), int(b)) for a, b in cur.fetchall()}
-        return {wanted[k] for k in held if k in wanted}
+            holders: dict[str, set[int]] = {}
+            for a, b, pid in cur.fetchall():
+                run = wanted.get((int(a), int(b)))
+                if run is not None:
+                    holders.setdefault(run, set()).add(int(pid))
+        return holders
+    return {run_id: set() for run_id in _flock_held(run_ids)}
+
+
+def live_owners(run_ids: list[Any]) -> set[str]:
+    """Of ``run_ids``, those whose liveness lock some process holds now."""
+    return set(lock_holders(run_ids))
+
+
+def _flock_held(run_ids: list[Any]) -> set[str]:
     alive = set()
     for run_id in run_ids:
         path = _lock_path(run_id)
@@ -372,13 +395,14 @@ class LeaseKeeper:
             # sees a dead worker and gives the run away, so take it back at once, not a
             # heartbeat later. If the database is unreachable, keep trying.
             log.warning("heartbeat for run %s failed; retrying", self.run_id, exc_info=True)
-            lock.held = False
             connection.close()
-            try:
-                if not lock.acquire():
-                    return False  # someone else holds the run now
-            except DatabaseError:
-                connection.close()
+            if lock.on_connection():
+                lock.held = False
+                try:
+                    if not lock.acquire():
+                        return False  # someone else holds the run now
+                except DatabaseError:
+                    connection.close()
             return True
 
 
@@ -417,6 +441,7 @@ def release(run_id: Any, token: int, **fields: Any) -> bool:
 __all__ = [
     "Claim",
     "end_stalled_holder",
+    "lock_holders",
     "LeaseKeeper",
     "LivenessLock",
     "advisory_key",

@@ -638,8 +638,6 @@ def rollback(
             updated_at=Now(),
         )
         run.refresh_from_db()
-        if finished:
-            wake_parent(run)  # a child rolled back to its end has finished: its parent may go on
         _event(
             run,
             EventKind.ROLLBACK,
@@ -655,6 +653,11 @@ def rollback(
         )
         if not finished:
             dispatch.ring(run.id)
+        else:
+            # A child rolled back to its end has finished: its parent may go on. After the
+            # commit, in a transaction of its own: locking the parent while holding the
+            # child would deadlock with an operator acting on the parent (parent, then child).
+            transaction.on_commit(lambda: wake_parent(Run.objects.get(pk=run.pk)))
     return RollbackResult(
         run=run,
         target=target,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 
@@ -78,11 +78,11 @@ def _recover_dead(report: SweepReport, limit: int) -> None:
     )
     if not running:
         return
-    alive = leases.live_owners([r[0] for r in running])
+    holders = leases.lock_holders([r[0] for r in running])
     now = _db_now()
     dead = []
     for run_id, token, expires, owner, heartbeat in running:
-        gone = str(run_id) not in alive
+        gone = str(run_id) not in holders
         expired = expires is not None and expires < now
         if gone or expired:
             dead.append(
@@ -90,40 +90,60 @@ def _recover_dead(report: SweepReport, limit: int) -> None:
             )
     for run_id, token, owner, heartbeat, why in dead:
         fault("sweep", run=run_id)
-        with transaction.atomic():
-            updated = Run.objects.filter(
-                pk=run_id, lease_token=token, status=RunStatus.RUNNING
-            ).update(
-                status=RunStatus.QUEUED,
-                lease_token=F("lease_token") + 1,
-                lease_owner="",
-                lease_expires_at=None,
-                lost_heartbeat_at=Coalesce("heartbeat_at", "claimed_at"),
-                rung_at=Now(),
-                updated_at=Now(),
-            )
-            if not updated:
-                continue  # it moved on meanwhile: claimed, finished, or another sweeper
-            Event.objects.create(
-                run_id=run_id,
-                kind=EventKind.LEASE_LOST,
-                worker=owner,
-                reason=why,
-                data=canonical.dumps(
-                    {"heartbeat_at": heartbeat.isoformat() if heartbeat else None}
-                ).decode(),
-            )
-            dispatch.ring(run_id)
-        if why == "lease expired":
-            # Expired, yet its lock is held: the process stalled with its session alive.
-            try:
-                ended = leases.end_stalled_holder(run_id)
-            except DatabaseError:
-                log.warning("run %s: could not end the stalled session", run_id, exc_info=True)
-            else:
-                if ended:
-                    log.warning("run %s: ended the session of a stalled worker", run_id)
-        report.recovered.append(str(run_id))
+        try:
+            requeued: bool | None = _requeue(run_id, token, owner, heartbeat, why)
+        except OperationalError:
+            # Its row is locked by a transaction that does not end: a worker stalled inside
+            # one. Ending its lock holder below does not free the row; the next sweep tries
+            # again, and the server ends such sessions if idle_in_transaction_session_timeout
+            # is set.
+            log.warning("run %s: its row stays locked; retried at the next sweep", run_id)
+            requeued = None
+        if why == "lease expired" and requeued is not False:
+            _end_stalled(run_id, holders.get(str(run_id), set()))
+        if requeued:
+            report.recovered.append(str(run_id))
+
+
+def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str) -> bool:
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cur:  # never wait long on a stalled row lock
+                cur.execute("SET LOCAL lock_timeout = '2s'")
+        updated = Run.objects.filter(pk=run_id, lease_token=token, status=RunStatus.RUNNING).update(
+            status=RunStatus.QUEUED,
+            lease_token=F("lease_token") + 1,
+            lease_owner="",
+            lease_expires_at=None,
+            lost_heartbeat_at=Coalesce("heartbeat_at", "claimed_at"),
+            rung_at=Now(),
+            updated_at=Now(),
+        )
+        if not updated:
+            return False  # it moved on meanwhile: claimed, finished, or another sweeper
+        Event.objects.create(
+            run_id=run_id,
+            kind=EventKind.LEASE_LOST,
+            worker=owner,
+            reason=why,
+            data=canonical.dumps(
+                {"heartbeat_at": heartbeat.isoformat() if heartbeat else None}
+            ).decode(),
+        )
+        dispatch.ring(run_id)
+    return True
+
+
+def _end_stalled(run_id: Any, pids: set[int]) -> None:
+    """Expired, or queued and unclaimed, yet its lock is held: the process holding it
+    stalled with its database session alive."""
+    try:
+        ended = leases.end_stalled_holder(run_id, pids)
+    except DatabaseError:
+        log.warning("run %s: could not end the stalled session", run_id, exc_info=True)
+        return
+    if ended:
+        log.warning("run %s: ended the session of a stalled worker", run_id)
 
 
 def _pick(query: Q, limit: int) -> list:
@@ -219,3 +239,8 @@ def _ring_forgotten(report: SweepReport, limit: int) -> None:
         for run_id in forgotten:
             dispatch.ring(run_id)
     report.rung.extend(str(r) for r in forgotten)
+    # Queued and unclaimed this long, yet locked: a claim takes the lock and the lease within
+    # moments, so whoever holds it is stalled (an ending that failed at recovery, or a worker
+    # that stopped between the two). Every delivery would find it locked until it goes.
+    for run_id, pids in leases.lock_holders(forgotten).items():
+        _end_stalled(run_id, pids)

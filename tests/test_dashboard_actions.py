@@ -539,6 +539,12 @@ def test_a_json_form_nested_too_deeply_is_a_form_error(as_operator):
         url("fork", run.id), {"from_seq": 1, "state": deep, "action": "check", "token": ""}
     )
     assert response.status_code == 422 and "nested too deeply" in text_of(response)
+    # Deep enough to break the engine's recursive walks, shallow enough for the parser.
+    deep = "[" * 960 + "]" * 960
+    response = as_operator.post(
+        url("fork", run.id), {"from_seq": 1, "state": deep, "action": "check", "token": ""}
+    )
+    assert response.status_code == 422 and "more than 100 levels" in text_of(response)
     assert counts() == before
 
 
