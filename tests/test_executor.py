@@ -769,3 +769,50 @@ def test_a_delivery_that_finds_the_lock_of_a_run_handed_back_rings_again():
         dispatch.set_dispatcher(publish)
         release.set()
         thread.join()
+
+
+def test_the_sweeper_ends_a_session_that_keeps_a_queued_run_locked():
+    """Queued and unclaimed for longer than the requeue interval, yet its lock is held: the
+    holder stalled (an ending at recovery that failed, a stop between lock and claim)."""
+    import threading
+    from datetime import timedelta
+
+    from django.db import connection as thread_connection
+    from django.utils import timezone
+
+    from durability import leases, recovery
+
+    def step(state, ctx):
+        state["done"] = True
+
+    agent("x-locked", steps=[step])
+    run = operations.start("x-locked", {})
+    locked, release = threading.Event(), threading.Event()
+    seen: list = []
+
+    def stalled():
+        lock = leases.LivenessLock(run.id)
+        try:
+            assert lock.acquire()
+            locked.set()
+            release.wait(30)
+            with thread_connection.cursor() as cur:
+                cur.execute("SELECT 1")
+        except Exception as exc:  # its session was ended under it
+            seen.append(type(exc).__name__)
+        finally:
+            thread_connection.close()
+
+    thread = threading.Thread(target=stalled)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        Run.objects.filter(pk=run.id).update(rung_at=timezone.now() - timedelta(minutes=5))
+        assert leases.live_owners([run.id]) == {str(run.id)}
+        recovery.sweep()
+        assert leases.live_owners([run.id]) == set()
+    finally:
+        release.set()
+        thread.join()
+    assert seen == ["OperationalError"]
+    assert drive(run.id).status == RunStatus.SUCCEEDED
