@@ -44,7 +44,6 @@ from durability.models import (
     JournalEntry,
     Message,
     Run,
-    RunStatus,
     WaitReason,
 )
 from durability.redact import redact
@@ -485,7 +484,10 @@ class Context:
         if not updated:
             data = Effect.objects.filter(pk=rec.pk).values_list("result", flat=True).first()
         else:
-            _wake_if_in_doubt(self.run_id)
+            # The outcome is recorded whoever holds the run now (unfenced: it happened). If
+            # the run was meanwhile given to another worker that found the effect unfinished
+            # and suspended it in doubt, nobody else would wake it: the outcome is known now.
+            dispatch.wake(self.run_id, WaitReason.IN_DOUBT)
         rec.status, rec.result = EffectStatus.DONE, data
         return canonical.loads(data) if data else None
 
@@ -892,19 +894,3 @@ def _llm_meta(value: Any) -> str:
         }
         return canonical.dumps(meta).decode()
     return ""
-
-
-def _wake_if_in_doubt(run_id: Any) -> None:
-    """An effect's outcome was recorded (unfenced: it happened, whoever holds the run now).
-    If the run was meanwhile given to another worker that found the effect unfinished and
-    suspended it in doubt, nobody else would wake it: the outcome is known now."""
-    if Run.objects.filter(
-        pk=run_id, status=RunStatus.WAITING, wait_reason=WaitReason.IN_DOUBT
-    ).update(
-        status=RunStatus.QUEUED,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        rung_at=Now(),
-        updated_at=Now(),
-    ):
-        dispatch.ring(run_id)

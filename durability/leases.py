@@ -112,6 +112,15 @@ class LivenessLock:
             connection.close()  # closing the session frees the lock as well
 
 
+# Advisory locks granted in this database, as (classid, objid, objsubid, pid): objsubid 1 for
+# a single bigint key (a run's), 2 for a pair of integers (a worker's presence).
+HELD_ADVISORY_LOCKS = (
+    "SELECT classid::bigint, objid::bigint, objsubid, pid FROM pg_locks"
+    " WHERE locktype = 'advisory' AND granted"
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
 def end_stalled_holder(run_id: Any, pids: set[int]) -> int:
     """End the database session that still holds the liveness lock of a run whose lease
     expired: a process stopped or cut off from its workers while its session lives on
@@ -128,11 +137,9 @@ def end_stalled_holder(run_id: Any, pids: set[int]) -> int:
     key = advisory_key(run_id) & 0xFFFFFFFFFFFFFFFF
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_locks"
-            " WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-            " AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND pid = ANY(%s)"
-            " AND pid <> pg_backend_pid()"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))"
+            f" FROM ({HELD_ADVISORY_LOCKS}) held WHERE objsubid = 1 AND classid = %s"
+            " AND objid = %s AND pid = ANY(%s) AND pid <> pg_backend_pid()",
             [key >> 32, key & 0xFFFFFFFF, sorted(pids)],
         )
         return int(cur.fetchone()[0])
@@ -150,9 +157,7 @@ def lock_holders(run_ids: list[Any]) -> dict[str, set[int]]:
             wanted[(key >> 32, key & 0xFFFFFFFF)] = str(run_id)
         with connection.cursor() as cur:
             cur.execute(
-                "SELECT classid::bigint, objid::bigint, pid FROM pg_locks"
-                " WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                f"SELECT classid, objid, pid FROM ({HELD_ADVISORY_LOCKS}) held WHERE objsubid = 1"
             )
             holders: dict[str, set[int]] = {}
             for a, b, pid in cur.fetchall():
@@ -439,6 +444,7 @@ def release(run_id: Any, token: int, **fields: Any) -> bool:
 
 
 __all__ = [
+    "HELD_ADVISORY_LOCKS",
     "Claim",
     "end_stalled_holder",
     "lock_holders",

@@ -275,7 +275,7 @@ def wake_parent(child: Run) -> None:
             ).decode(),
         )
         if parent.status == RunStatus.WAITING and parent.wait_reason == WaitReason.CHILDREN:
-            _wake(parent)
+            dispatch.wake(parent.id)
 
 
 def tree(ref: Any) -> dict:
@@ -830,7 +830,7 @@ def decide(
             data={"name": pending.name, "approved": approve, "edited": bool(edited)},
         )
         if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
-            _wake(run)
+            dispatch.wake(run.id)
         pending.refresh_from_db()
     return pending
 
@@ -900,20 +900,9 @@ def expire_approvals(limit: int = 200) -> list[int]:
                     data={"name": approval.name, "approved": approve, "timeout": True},
                 )
                 if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
-                    _wake(run)
+                    dispatch.wake(run.id)
             acted.append(approval_id)
     return acted
-
-
-def _wake(run: Run) -> None:
-    Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.QUEUED,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        rung_at=Now(),
-        updated_at=Now(),
-    )
-    dispatch.ring(run.id)
 
 
 def resolve_effect(
@@ -970,7 +959,7 @@ def resolve_effect(
             data={"effect": effect.pk, "key": effect.key, "outcome": outcome},
         )
         if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.IN_DOUBT:
-            _wake(run)
+            dispatch.wake(run.id)
         effect.refresh_from_db()
     return effect
 
@@ -1029,7 +1018,7 @@ def send(
             and run.wait_reason == WaitReason.MESSAGE
             and run.wait_detail == name
         ):
-            _wake(run)
+            dispatch.wake(run.id)
     return message
 
 

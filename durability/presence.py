@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from durability import canonical
 from durability.agents import registry
+from durability.leases import HELD_ADVISORY_LOCKS
 from durability.models import Checkpoint, Run, RunStatus, WaitReason, WorkerPresence
 
 
@@ -106,9 +107,7 @@ def _held_keys() -> set[int]:
         return set()
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND objsubid = 2 AND classid = %s::bigint::oid"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            f"SELECT objid FROM ({HELD_ADVISORY_LOCKS}) held WHERE objsubid = 2 AND classid = %s",
             [_LOCK_NAMESPACE],
         )
         return {int(row[0]) for row in cur.fetchall()}

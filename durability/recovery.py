@@ -159,24 +159,9 @@ def _wake_timers(report: SweepReport, limit: int) -> None:
         due = _pick(
             Q(status=RunStatus.WAITING, wait_reason__in=TIMED_WAITS, wake_at__lte=Now()), limit
         )
-        _queue_waiting(due)
+        for run_id in due:
+            dispatch.wake(run_id)
     report.timers.extend(str(r) for r in due)
-
-
-def _queue_waiting(run_ids: list) -> None:
-    """Inside the caller's transaction: waiting runs whose wait is over go back to the
-    queue, and the doorbell rings for each once it commits."""
-    if not run_ids:
-        return
-    Run.objects.filter(pk__in=run_ids, status=RunStatus.WAITING).update(
-        status=RunStatus.QUEUED,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        rung_at=Now(),
-        updated_at=Now(),
-    )
-    for run_id in run_ids:
-        dispatch.ring(run_id)
 
 
 def _wake_parents(report: SweepReport, limit: int) -> None:
@@ -197,7 +182,8 @@ def _wake_parents(report: SweepReport, limit: int) -> None:
             ).exists()
             or not Run.objects.filter(parent_run_id=run_id).exclude(status__in=FINISHED).exists()
         ]
-        _queue_waiting(done)
+        for run_id in done:
+            dispatch.wake(run_id)
     report.timers.extend(str(r) for r in done)
 
 
@@ -214,7 +200,8 @@ def _wake_resolved_doubts(report: SweepReport, limit: int) -> None:
             ).values_list("run_id", flat=True)
         )
         known = [run_id for run_id in waiting if run_id not in unknown]
-        _queue_waiting(known)
+        for run_id in known:
+            dispatch.wake(run_id)
     report.timers.extend(str(r) for r in known)
 
 
