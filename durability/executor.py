@@ -701,7 +701,14 @@ class Execution:
         return False
 
     def _still_ours(self) -> bool:
-        return Run.objects.filter(pk=self.run_id, lease_token=self.token).exists()
+        """After the database was away: the lease is still ours, and the head we hold in
+        memory is still the run's. A server that crashed loses the commits it had not
+        flushed yet (the relaxed level): continuing from memory would build on checkpoints
+        that are gone. Then this execution ends, and the next one starts from what survived."""
+        ours = Run.objects.filter(pk=self.run_id, lease_token=self.token)
+        if self.head is not None:
+            ours = ours.filter(head_seq=self.head.seq)
+        return ours.exists()
 
     # --- the ways an execution ends -------------------------------------------------------------
 

@@ -817,3 +817,32 @@ def test_the_sweeper_ends_a_session_that_keeps_a_queued_run_locked():
         thread.join()
     assert seen == ["OperationalError"]
     assert drive(run.id).status == RunStatus.SUCCEEDED
+
+
+def test_commits_the_server_lost_in_a_crash_are_not_built_on():
+    """The relaxed level: a server that crashed lost the commits it had not flushed. The
+    worker, once the database answers again, must not go on from the head it holds in
+    memory (its journal records would point at a checkpoint that is gone)."""
+    from django.db import OperationalError
+
+    crashed: list = []
+
+    def step(state, ctx):
+        state["n"] = state.get("n", 0) + 1
+        if state["n"] == 3 and not crashed:
+            crashed.append(True)
+            run_id = ctx.run_id
+            lost = Checkpoint.objects.filter(run_id=run_id).order_by("-seq").first()
+            Event.objects.filter(run_id=run_id, seq=lost.seq).delete()
+            Checkpoint.objects.filter(pk=lost.pk).delete()
+            Run.objects.filter(pk=run_id).update(head_seq=lost.seq - 1)
+            raise OperationalError("server closed the connection unexpectedly")
+        ctx.call(f"llm-{state['n']}", tool, state["n"])
+        return "step" if state["n"] < 5 else None
+
+    agent("x-lost-commits", steps={"step": step}, initial_state=lambda i: {})
+    run = operations.start("x-lost-commits", {})
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, (done.status, done.error)
+    assert state_of(run.id)["n"] == 5
+    assert operations.verify(run.id)[0].ok
