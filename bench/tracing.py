@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 from bench import procs
@@ -96,6 +97,11 @@ def run(b: Bench) -> None:
     print(
         f"spans received: {len(spans)} ({step_spans} step, {call_spans} call,"
         f" {commit_spans} commit) for {expected_steps} traced steps"
+    )
+    by_name = Counter(s.name.split(" ", 1)[0] for s in spans)
+    print(
+        "per traced step: "
+        + ", ".join(f"{name} {n / max(expected_steps, 1):.2f}" for name, n in by_name.most_common())
     )
     b.add(
         "tracing",
