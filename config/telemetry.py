@@ -1,14 +1,18 @@
 """OpenTelemetry SDK set-up, from the standard environment variables only.
 
-Nothing is installed unless an OTLP endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT``
-or its ``_TRACES_``/``_METRICS_`` variants) and ``OTEL_SDK_DISABLED`` is not true: then the
-engine's spans cost one function call each. With an endpoint: traces and metrics go out
-over OTLP/HTTP (protobuf), the service name and resource come from ``OTEL_SERVICE_NAME`` and
-``OTEL_RESOURCE_ATTRIBUTES``, the sampler from ``OTEL_TRACES_SAMPLER``, and Django, Celery,
-psycopg and Redis are traced by their maintained instrumentation packages.
+Nothing is installed unless a signal has somewhere to go and ``OTEL_SDK_DISABLED`` is not
+true: then the engine's spans cost one function call each. A signal (traces, metrics) is
+exported when an OTLP endpoint is set for it (``OTEL_EXPORTER_OTLP_ENDPOINT`` or its
+``_TRACES_``/``_METRICS_`` variant) or when ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER``
+names an exporter explicitly (``otlp``, ``console``, or ``none`` to turn it off). OTLP goes
+over HTTP/protobuf (port 4318) or gRPC (port 4317), chosen by ``OTEL_EXPORTER_OTLP_PROTOCOL``
+or its per-signal variant. The service name and resource come from ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES``, the sampler from ``OTEL_TRACES_SAMPLER``; with traces on,
+Django, Celery, psycopg and Redis are traced by their maintained instrumentation packages.
+Values this set-up cannot honour stop the process with a message naming the variable.
 
 Each process calls ``setup()`` once: web (wsgi), the CLI (manage.py), every Celery pool
-process (after fork: the SDK's export threads do not survive one) and beat.
+process (after fork: the SDK's export threads and gRPC channels do not survive one) and beat.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -40,29 +45,107 @@ _DEFAULTS = {
 _providers: list = []
 
 
+SIGNALS = ("traces", "metrics")
+EXPORTERS = ("otlp", "console", "none")
+PROTOCOLS = ("http/protobuf", "grpc")
+
+
+def _endpoint(signal: str) -> str:
+    return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", ""
+    )
+
+
+def exporters(signal: str) -> list[str]:
+    """The exporters ``signal`` goes to. Without ``OTEL_<SIGNAL>_EXPORTER``, OTLP only if an
+    endpoint is set for it: a process nobody pointed anywhere exports nothing."""
+    variable = f"OTEL_{signal.upper()}_EXPORTER"
+    raw = os.environ.get(variable, "").strip()
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in EXPORTERS]
+    if unknown:
+        raise ImproperlyConfigured(
+            f"{variable}={raw!r}: {unknown[0]!r} is not supported here; use"
+            f" {', '.join(EXPORTERS)} (or a comma-separated list of them)"
+        )
+    if not names:
+        return ["otlp"] if _endpoint(signal) else []
+    if "none" in names:
+        return []
+    return list(dict.fromkeys(names))
+
+
+def protocol(signal: str) -> str:
+    for variable in (
+        f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ):
+        value = os.environ.get(variable, "").strip()
+        if not value:
+            continue
+        if value not in PROTOCOLS:
+            why = " (the Python SDK has no OTLP/JSON exporter)" if value == "http/json" else ""
+            raise ImproperlyConfigured(
+                f"{variable}={value!r} is not supported here{why}; use http/protobuf"
+                " (a collector listens on port 4318) or grpc (port 4317)"
+            )
+        return value
+    return "http/protobuf"
+
+
 def configured() -> bool:
+    """Whether any signal has somewhere to go (checked before anything is imported)."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    return any(os.environ.get(name) for name in _ENDPOINT_VARS)
+    if any(os.environ.get(name) for name in _ENDPOINT_VARS):
+        return True
+    return any(
+        os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower() not in ("", "none")
+        for signal in SIGNALS
+    )
+
+
+def _span_exporter(name: str) -> Any:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if protocol("traces") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()
+
+
+def _metric_exporter(name: str) -> Any:
+    if name == "console":
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+        return ConsoleMetricExporter()
+    if protocol("metrics") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    return OTLPMetricExporter()
 
 
 def setup(role: str, *, django: bool = False) -> bool:
-    """Install the SDK for this process; returns False (and does nothing) without an
-    endpoint. ``role`` names the service when ``OTEL_SERVICE_NAME`` is not set."""
+    """Install the SDK for this process; returns False (and does nothing) when no signal has
+    anywhere to go. ``role`` names the service when ``OTEL_SERVICE_NAME`` is not set."""
     if _providers or not configured():
         return bool(_providers)
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    if protocol != "http/protobuf":
-        raise ImproperlyConfigured(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported here; use"
-            " http/protobuf (an OpenTelemetry Collector accepts it on port 4318)"
-        )
+    # Every variable is checked before anything is installed: a bad one changes nothing.
+    span_exporters, metric_exporters = exporters("traces"), exporters("metrics")
+    if "otlp" in span_exporters:
+        protocol("traces")
+    if "otlp" in metric_exporters:
+        protocol("metrics")
+    if not span_exporters and not metric_exporters:
+        return False
     for name, value in _DEFAULTS.items():
         os.environ.setdefault(name, value)
 
     from opentelemetry import metrics, trace
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -73,17 +156,30 @@ def setup(role: str, *, django: bool = False) -> bool:
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attributes[SERVICE_NAME] = f"durability-{role}"
     resource = Resource.create(attributes)
-    tracer_provider = TracerProvider(resource=resource)
-    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(tracer_provider)
-    meter_provider = MeterProvider(
-        resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]
-    )
-    metrics.set_meter_provider(meter_provider)
-    _providers.extend([tracer_provider, meter_provider])
-    _instrument(django=django)
+    if span_exporters:
+        tracer_provider = TracerProvider(resource=resource)
+        for name in span_exporters:
+            tracer_provider.add_span_processor(BatchSpanProcessor(_span_exporter(name)))
+        trace.set_tracer_provider(tracer_provider)
+        _providers.append(tracer_provider)
+    if metric_exporters:
+        meter_provider = MeterProvider(
+            resource=resource,
+            metric_readers=[
+                PeriodicExportingMetricReader(_metric_exporter(name)) for name in metric_exporters
+            ],
+        )
+        metrics.set_meter_provider(meter_provider)
+        _providers.append(meter_provider)
+    if span_exporters:
+        _instrument(django=django)
     atexit.register(shutdown)
-    log.info("OpenTelemetry export on for %s", role)
+    log.info(
+        "OpenTelemetry on for %s: traces to %s, metrics to %s",
+        role,
+        ", ".join(span_exporters) or "nowhere",
+        ", ".join(metric_exporters) or "nowhere",
+    )
     return True
 
 

@@ -35,6 +35,18 @@ def enabled() -> bool:
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
+@lru_cache(maxsize=1)
+def _sdk_meter_provider() -> type:
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    return MeterProvider
+
+
+def metrics_enabled() -> bool:
+    """True once an SDK meter provider is installed in this process (traces may be off)."""
+    return isinstance(metrics.get_meter_provider(), _sdk_meter_provider())
+
+
 _tracers: dict[int, trace.Tracer] = {}
 
 
@@ -192,17 +204,19 @@ def commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool):
 
 def approval_wait(name: str, requested_at: Any, decided_at: Any, approved: bool) -> None:
     """A span covering the time a run waited for a person, drawn when the run resumes."""
-    if not enabled() or requested_at is None or decided_at is None:
+    if requested_at is None or decided_at is None:
         return
     start_ns = int(requested_at.timestamp() * 1e9)
     end_ns = int(decided_at.timestamp() * 1e9)
-    span = tracer().start_span(
-        f"approval {name}",
-        start_time=start_ns,
-        attributes={"durability.approval.name": name, "durability.approval.approved": approved},
-    )
-    span.end(end_time=max(end_ns, start_ns))
-    instruments().approval_wait.record(max(0.0, (end_ns - start_ns) / 1e9))
+    if enabled():
+        span = tracer().start_span(
+            f"approval {name}",
+            start_time=start_ns,
+            attributes={"durability.approval.name": name, "durability.approval.approved": approved},
+        )
+        span.end(end_time=max(end_ns, start_ns))
+    if metrics_enabled():
+        instruments().approval_wait.record(max(0.0, (end_ns - start_ns) / 1e9))
 
 
 def note(name: str, **attributes: Any) -> None:
@@ -283,7 +297,7 @@ def instruments() -> Instruments:
 
 
 def record_commit(agent: str, seconds: float) -> None:
-    if not enabled():
+    if not metrics_enabled():
         return
     attrs = {"durability.agent.name": agent}
     m = instruments()
@@ -292,13 +306,13 @@ def record_commit(agent: str, seconds: float) -> None:
 
 
 def count(name: str, value: float = 1, **attributes: Any) -> None:
-    if not enabled():
+    if not metrics_enabled():
         return
     getattr(instruments(), name).add(value, attributes)
 
 
 def observe(name: str, value: float, **attributes: Any) -> None:
-    if not enabled():
+    if not metrics_enabled():
         return
     getattr(instruments(), name).record(value, attributes)
 

@@ -1,5 +1,6 @@
-"""A real OTLP/HTTP receiver: keeps the protobuf payloads the SDK exporters send to
-/v1/traces and /v1/metrics, and decodes them when asked.
+"""Real OTLP receivers: over HTTP (``OTLPReceiver``: the protobuf payloads the SDK exporters
+send to /v1/traces and /v1/metrics) and over gRPC (``OTLPGrpcReceiver``: the collector's
+TraceService and MetricsService). Both keep what arrives and decode it when asked.
 
 Decoding waits until a reader asks: a collector runs on its own machine in production, and
 one that parsed every batch on arrival would take CPU from the worker a benchmark measures
@@ -154,3 +155,55 @@ class OTLPReceiver:
         with self.lock:
             self._decode()
             return set(self.received.metrics)
+
+
+class OTLPGrpcReceiver(OTLPReceiver):
+    """The same, as a gRPC server: what a collector listens for on port 4317."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import (
+            metrics_service_pb2,
+            metrics_service_pb2_grpc,
+        )
+        from opentelemetry.proto.collector.trace.v1 import (
+            trace_service_pb2,
+            trace_service_pb2_grpc,
+        )
+
+        self.received = Received()
+        self.lock = threading.Lock()
+        outer = self
+
+        def keep(path: str, request) -> None:
+            with outer.lock:
+                outer.received.pending.append((path, request.SerializeToString()))
+                outer.received.requests += 1
+
+        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # noqa: N802 - the service's naming
+                keep("/v1/traces", request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+            def Export(self, request, context):  # noqa: N802 - the service's naming
+                keep("/v1/metrics", request)
+                return metrics_service_pb2.ExportMetricsServiceResponse()
+
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> OTLPGrpcReceiver:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)

@@ -168,40 +168,103 @@ def test_one_connected_trace_across_a_worker_kill(traced, receiver, cluster_faul
     assert not any(p.exemplars for p in points)
 
 
-def test_without_an_endpoint_nothing_is_installed():
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
-    probe = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'tests.settings');"
-            "from config import telemetry; print(telemetry.setup('cli'));"
-            "from durability import telemetry as t; print(t.enabled())",
-        ],
+PROBE = (
+    "import os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'tests.settings');"
+    "from config import telemetry; print(telemetry.setup('cli'));"
+    "from durability import telemetry as t; print(t.enabled(), t.metrics_enabled())"
+)
+
+
+def probe(**otel: str) -> subprocess.CompletedProcess:
+    """A process that sets telemetry up from ``otel`` alone (no other OTEL_ variable)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return subprocess.run(
+        [sys.executable, "-c", PROBE],
         cwd=ROOT,
-        env=env,
+        env={**env, **otel},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert probe.stdout.split() == ["False", "False"], probe.stderr
 
 
-def test_an_unsupported_protocol_is_a_clear_error(tmp_path):
+def test_without_an_endpoint_nothing_is_installed():
+    done = probe()
+    assert done.stdout.split() == ["False", "False", "False"], done.stderr
+
+
+# Nothing listens on port 9: nothing is exported during these probes, and nothing must be.
+@pytest.mark.parametrize(
+    ("otel", "traces", "metrics"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}, True, True),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_EXPORTER": "none"},
+            False,
+            True,
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_METRICS_EXPORTER": "none"},
+            True,
+            False,
+        ),
+        # A signal without an endpoint of its own, nor a general one, stays off.
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces"}, True, False),
+        ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "60000"}, True, False),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            },
+            True,
+            True,
+        ),
+    ],
+)
+def test_each_signal_goes_where_the_standard_variables_say(otel, traces, metrics):
+    done = probe(**otel)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == [str(traces), str(metrics)], done.stderr
+
+
+@pytest.mark.parametrize(
+    ("otel", "message"),
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_EXPORTER": "zipkin"},
+            "OTEL_TRACES_EXPORTER='zipkin': 'zipkin' is not supported here; use otlp, console,"
+            " none",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
+            },
+            "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported here (the Python SDK has"
+            " no OTLP/JSON exporter)",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "thrift",
+            },
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='thrift' is not supported here; use http/protobuf",
+        ),
+    ],
+)
+def test_a_variable_it_cannot_honour_is_a_clear_error(otel, message):
     import os
 
-    env = {
-        **os.environ,
-        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run(
         [sys.executable, "manage.py", "durability", "agents"],
         cwd=ROOT,
-        env=env,
+        env={**env, **otel},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode != 0
-    assert "OTEL_EXPORTER_OTLP_PROTOCOL='grpc' is not supported" in done.stderr
+    assert message in done.stderr
