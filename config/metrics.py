@@ -8,12 +8,17 @@ recoveries and their time, work lost) as windowed figures, all computed at scrap
 
 Access: open to whoever can reach it (keep it on the internal network) unless
 ``DURABILITY_METRICS_TOKEN`` is set, in which case a scraper sends
-``Authorization: Bearer <token>``.
+``Authorization: Bearer <token>``. A scrape reads up to a window of commit events, so its
+answer is kept for ``DURABILITY_METRICS_CACHE_SECONDS`` and concurrent scrapes share one
+computation: many scrapers (or one caller in a loop) cost the database one query set per
+period, not one each.
 """
 
 from __future__ import annotations
 
 import hmac
+import threading
+import time
 from datetime import timedelta
 
 import orjson
@@ -181,7 +186,21 @@ def _commit_figures(since) -> tuple[int, dict[float, float]]:
     return commits, _quantiles(latencies)
 
 
+_cache_lock = threading.Lock()
+_cached: tuple[float, bytes] | None = None
+
+
+def _render() -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        DurabilityCollector(float(getattr(settings, "DURABILITY_METRICS_WINDOW_SECONDS", 300)))
+    )
+    connection.ensure_connection()
+    return generate_latest(registry)
+
+
 def metrics_view(request: HttpRequest) -> HttpResponse:
+    global _cached
     token = getattr(settings, "DURABILITY_METRICS_TOKEN", "")
     if token:
         sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
@@ -189,12 +208,17 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
             return HttpResponse(
                 "a valid bearer token is required\n", status=401, content_type="text/plain"
             )
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        DurabilityCollector(float(getattr(settings, "DURABILITY_METRICS_WINDOW_SECONDS", 300)))
-    )
-    connection.ensure_connection()
-    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    keep = float(getattr(settings, "DURABILITY_METRICS_CACHE_SECONDS", 5.0))
+    if keep <= 0:
+        body = _render()
+    else:
+        # One scrape computes; those arriving meanwhile wait for it and share its answer.
+        with _cache_lock:
+            now = time.monotonic()
+            if _cached is None or now - _cached[0] >= keep:
+                _cached = (now, _render())
+            body = _cached[1]
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
 
 
 def health_view(request: HttpRequest) -> HttpResponse:

@@ -204,6 +204,8 @@ DURABILITY_BLOB_GC_GRACE_SECONDS = env_float("DURABILITY_BLOB_GC_GRACE_SECONDS",
 # window its latency and recovery figures cover.
 DURABILITY_METRICS_TOKEN = env_str("DURABILITY_METRICS_TOKEN", "")
 DURABILITY_METRICS_WINDOW_SECONDS = env_float("DURABILITY_METRICS_WINDOW_SECONDS", 300.0)
+# How long one computed /metrics answer is served again (0: computed on every scrape).
+DURABILITY_METRICS_CACHE_SECONDS = env_float("DURABILITY_METRICS_CACHE_SECONDS", 5.0)
 # Shared rate limits for named resources, respected by every worker:
 # "openai=60/min,search=5/s" (agents attach them to call keys with Agent(limits=...)).
 DURABILITY_RATE_LIMITS = env_str("DURABILITY_RATE_LIMITS", "")

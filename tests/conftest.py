@@ -16,6 +16,13 @@ from tests.servers import EffectReceiver, FakeLLM
 pytest_plugins: list[str] = []
 
 
+@pytest.fixture(scope="session", autouse=True)
+def static_root():
+    # WhiteNoise warns (an error here) on any request when the static root is missing, and a
+    # fresh checkout has none until collectstatic runs: any module must pass on its own.
+    Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
+
+
 @pytest.fixture(scope="session")
 def llm_server():
     server = FakeLLM().start()

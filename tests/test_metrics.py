@@ -4,11 +4,14 @@ against seeded rows with known answers; /healthz."""
 from __future__ import annotations
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from prometheus_client.parser import text_string_to_metric_families
 
 from durability import canonical, operations
 from durability.models import Approval, Effect, EffectStatus, Event, EventKind, Run, RunStatus
+from durability.testing import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -70,6 +73,23 @@ def test_a_metrics_token_is_required_when_set(settings):
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer nope").status_code == 401
     scrape(client, HTTP_AUTHORIZATION="Bearer s3cret")
+
+
+def test_an_answer_is_kept_for_the_cache_period(settings):
+    from config import metrics
+
+    metrics._cached = None
+    settings.DURABILITY_METRICS_CACHE_SECONDS = 0.5
+    window = ("durability_checkpoint_commits_window", (("window", "300s"),))
+    assert scrape(Client())[window] == 0
+    run = operations.start("test-ticker", {"n": 1})
+    Event.objects.bulk_create(Event(run=run, kind=EventKind.CHECKPOINT) for _ in range(3))
+    # Within the period the computed answer is served again, without touching the database.
+    with CaptureQueriesContext(connection) as queries:
+        assert scrape(Client())[window] == 0
+    assert len(queries) == 0
+    wait_until(lambda: scrape(Client())[window] == 3, timeout=10, what="a fresh answer")
+    metrics._cached = None
 
 
 def test_health():
