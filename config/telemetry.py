@@ -64,8 +64,11 @@ def exporters(signal: str) -> list[str]:
     names = [n.strip().lower() for n in raw.split(",") if n.strip()]
     unknown = [n for n in names if n not in EXPORTERS]
     if unknown:
+        hint = ""
+        if unknown[0] == "prometheus":
+            hint = " (the web process serves the durability metrics at /metrics for scrapers)"
         raise ImproperlyConfigured(
-            f"{variable}={raw!r}: {unknown[0]!r} is not supported here; use"
+            f"{variable}={raw!r}: {unknown[0]!r} is not supported here{hint}; use"
             f" {', '.join(EXPORTERS)} (or a comma-separated list of them)"
         )
     if not names:

@@ -238,6 +238,11 @@ def test_each_signal_goes_where_the_standard_variables_say(otel, traces, metrics
             " none",
         ),
         (
+            {"OTEL_METRICS_EXPORTER": "prometheus"},
+            "'prometheus' is not supported here (the web process serves the durability metrics"
+            " at /metrics for scrapers)",
+        ),
+        (
             {
                 "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
                 "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
