@@ -9,6 +9,7 @@ the benchmark TRUNCATEs and DROPs its database, so it must never be one in use e
 import os
 
 os.environ.setdefault("DURABILITY_AGENT_MODULES", "bench.agents")
+os.environ.setdefault("SECRET_KEY", "bench-only-not-secret")
 
 from bench.db import check_bench_database  # noqa: E402
 from config.settings import *  # noqa: E402,F403

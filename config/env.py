@@ -11,8 +11,10 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 
 def env_str(name: str, default: str | None = None) -> str:
+    # Empty counts as unset everywhere, so a copied .env.example with blank lines means the
+    # defaults it names, not empty values.
     value = os.environ.get(name)
-    if value is None:
+    if value is None or not value.strip():
         if default is None:
             raise ImproperlyConfigured(f"environment variable {name} is required")
         return default
@@ -21,7 +23,7 @@ def env_str(name: str, default: str | None = None) -> str:
 
 def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or not raw.strip():
         return default
     try:
         return int(raw)
@@ -31,7 +33,7 @@ def env_int(name: str, default: int) -> int:
 
 def env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or not raw.strip():
         return default
     try:
         return float(raw)
@@ -41,7 +43,7 @@ def env_float(name: str, default: float) -> float:
 
 def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return default
     if raw.lower() in _TRUE:
         return True
@@ -52,6 +54,6 @@ def env_bool(name: str, default: bool) -> bool:
 
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return list(default)
     return [item.strip() for item in raw.split(",") if item.strip()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from config.env import env_bool, env_float, env_int, env_list, env_str
 
@@ -16,10 +17,22 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("DURABILITY_VAR_DIR", str(BASE_DIR / "var")))
 
 DEBUG = env_bool("DEBUG", False)
-# The embedded default must start with nothing configured; production sets SECRET_KEY.
-SECRET_KEY = env_str("SECRET_KEY", "insecure-embedded-default-change-me")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
+# The dashboard's public origin(s) behind a proxy, e.g. https://durability.example.com:
+# without it, Django refuses every form posted through that origin.
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+# Behind a proxy that terminates TLS: the header it sets (X-Forwarded-Proto) to "https".
+# Only when the proxy always sets it: a client could otherwise claim HTTPS itself.
+_PROXY_SSL_HEADER = env_str("SECURE_PROXY_SSL_HEADER", "")
+if _PROXY_SSL_HEADER:
+    SECURE_PROXY_SSL_HEADER = (
+        "HTTP_" + _PROXY_SSL_HEADER.strip().upper().replace("-", "_"),
+        "https",
+    )
+# Served over HTTPS: cookies only over TLS, and HSTS for this many seconds (0: off).
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("SECURE_COOKIES", False)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -89,6 +102,17 @@ def _database() -> dict:
 
 
 DATABASES = {"default": _database()}
+
+# The embedded default (SQLite) must start with nothing configured. A server database means a
+# deployment, where a key everyone can read would let anyone forge sessions: refuse to start.
+SECRET_KEY = env_str("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DATABASES["default"]["ENGINE"].endswith("sqlite3") and not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is required with a server database: set it to a long random value,"
+            " e.g. $(openssl rand -hex 32)"
+        )
+    SECRET_KEY = "insecure-embedded-default-change-me"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -1,0 +1,94 @@
+"""Settings come from the environment: what a deployment gets from the variables it sets,
+and a clear refusal for what it must not run with."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.procs import ROOT
+
+PROBE = (
+    "import os, django; os.environ['DJANGO_SETTINGS_MODULE'] = 'config.settings';"
+    "django.setup(); from django.conf import settings as s;"
+    "print(repr((s.DATABASES['default']['ENGINE'], s.SECRET_KEY.startswith('insecure-'),"
+    " getattr(s, 'SECURE_PROXY_SSL_HEADER', None), s.SESSION_COOKIE_SECURE,"
+    " s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_SECONDS, s.DURABILITY_HEARTBEAT_SECONDS)))"
+)
+
+
+def settings_with(tmp_path, **env: str) -> subprocess.CompletedProcess:
+    """config.settings loaded in a process that has only ``env`` (and PATH) set."""
+    return subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env={"PATH": os.environ["PATH"], "DURABILITY_VAR_DIR": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def env_example() -> dict[str, str]:
+    pairs = {}
+    for line in (ROOT / ".env.example").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            pairs[name.strip()] = value.strip()
+    return pairs
+
+
+def test_env_example_as_is_is_the_embedded_default(tmp_path):
+    env = env_example()
+    env["DURABILITY_VAR_DIR"] = str(tmp_path)  # not ./var of the checkout
+    done = settings_with(tmp_path, **env)
+    assert done.returncode == 0, done.stderr
+    figures = ast.literal_eval(done.stdout)
+    engine, insecure, proxy, session_secure, csrf_secure, hsts, heartbeat = figures
+    assert engine.endswith("sqlite3") and insecure
+    assert (proxy, session_secure, csrf_secure, hsts) == (None, False, False, 0)
+    assert heartbeat == 10.0  # a third of the 30 s lease, not a value of its own
+
+
+def test_a_server_database_without_secret_key_refuses_to_start(tmp_path):
+    url = "postgres://postgres@127.0.0.1:5432/durability_nowhere"
+    done = settings_with(tmp_path, DATABASE_URL=url)
+    assert done.returncode != 0
+    assert "SECRET_KEY is required with a server database" in done.stderr
+    # DEBUG is a developer's machine: the embedded key is allowed there.
+    assert settings_with(tmp_path, DATABASE_URL=url, DEBUG="1").returncode == 0
+    done = settings_with(tmp_path, DATABASE_URL=url, SECRET_KEY="k" * 50)
+    assert done.returncode == 0, done.stderr
+    assert ast.literal_eval(done.stdout)[1] is False
+
+
+def test_behind_a_tls_proxy(tmp_path):
+    done = settings_with(
+        tmp_path,
+        SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
+        SECURE_COOKIES="true",
+        SECURE_HSTS_SECONDS="31536000",
+        DURABILITY_LEASE_SECONDS="12",
+    )
+    assert done.returncode == 0, done.stderr
+    _, _, proxy, session_secure, csrf_secure, hsts, heartbeat = ast.literal_eval(done.stdout)
+    assert proxy == ("HTTP_X_FORWARDED_PROTO", "https")
+    assert session_secure and csrf_secure and hsts == 31536000
+    assert heartbeat == 4.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("SECURE_COOKIES", "maybe", "SECURE_COOKIES='maybe' is not a boolean"),
+        ("SECURE_HSTS_SECONDS", "a year", "SECURE_HSTS_SECONDS='a year' is not a whole number"),
+    ],
+)
+def test_a_bad_value_is_a_clear_error(tmp_path, name, value, message):
+    done = settings_with(tmp_path, **{name: value})
+    assert done.returncode != 0
+    assert message in done.stderr
