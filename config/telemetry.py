@@ -20,6 +20,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -200,15 +202,58 @@ def _instrument(*, django: bool) -> None:
     RedisInstrumentor().instrument()
 
 
-def flush(timeout_ms: int = 10_000) -> None:
-    for provider in _providers:
-        provider.force_flush(timeout_ms)
+# After a flush that did not finish in time, the next ones are skipped for this long: the
+# batch processors keep exporting on their own threads, and tasks stop waiting for them.
+FLUSH_BACKOFF_SECONDS = 30.0
+_flush_skipped_until = 0.0
 
 
-def shutdown() -> None:
-    while _providers:
-        provider = _providers.pop()
+def flush(timeout_ms: int = 10_000) -> bool:
+    """Export what is queued, waiting at most ``timeout_ms``; True if it all went out.
+
+    The SDK's ``force_flush`` does not honour its timeout (opentelemetry-python #4568): with
+    the collector down or hanging, it holds its caller for the exporter's whole retry
+    schedule, and a Celery task would wait that long after every execution. So it runs on a
+    thread of its own, and after one that overran, flushes are skipped for a while."""
+    global _flush_skipped_until
+    if not _providers or time.monotonic() < _flush_skipped_until:
+        return False
+    providers = list(_providers)
+    results: list[bool] = []
+    done = threading.Event()
+
+    def run() -> None:
         try:
-            provider.shutdown()
-        except Exception:  # exporting at exit is best effort
-            log.debug("telemetry shutdown failed", exc_info=True)
+            results.extend(bool(p.force_flush(timeout_ms)) for p in providers)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="otel-flush", daemon=True).start()
+    if done.wait(timeout_ms / 1000) and all(results):
+        return True
+    _flush_skipped_until = time.monotonic() + FLUSH_BACKOFF_SECONDS
+    log.warning(
+        "OpenTelemetry: the export did not complete within %d ms (is the collector up?);"
+        " not waiting for it again for %.0f s",
+        timeout_ms,
+        FLUSH_BACKOFF_SECONDS,
+    )
+    return False
+
+
+def shutdown(timeout_s: float = 5.0) -> None:
+    """Export what is left and stop, waiting at most ``timeout_s``: a process on its way out
+    must not hang for the exporters' retry schedules when the collector is unreachable."""
+    providers = list(reversed(_providers))
+    _providers.clear()
+
+    def run() -> None:
+        for provider in providers:
+            try:
+                provider.shutdown()
+            except Exception:  # exporting at exit is best effort
+                log.debug("telemetry shutdown failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="otel-shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)

@@ -273,3 +273,54 @@ def test_a_variable_it_cannot_honour_is_a_clear_error(otel, message):
     )
     assert done.returncode != 0
     assert message in done.stderr
+
+
+HUNG_COLLECTOR_PROBE = """
+import os, time
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+from config import telemetry
+telemetry.setup("worker")
+from durability import telemetry as t
+took = []
+for name in ("first", "second"):
+    with t.tracer().start_as_current_span(name):
+        pass
+    started = time.monotonic()
+    took.append((telemetry.flush(timeout_ms=1000), time.monotonic() - started))
+started = time.monotonic()
+telemetry.shutdown(timeout_s=1.0)
+took.append((None, time.monotonic() - started))
+print(repr(took))
+"""
+
+
+def test_a_collector_that_hangs_holds_a_task_back_once_and_briefly():
+    """The worker flushes after every task (so a SIGKILL loses nothing already traced); a
+    collector that accepts connections and never answers must not add the exporter's whole
+    retry schedule (10 s and more) to each of them."""
+    import ast
+    import os
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # connections complete in the kernel; nothing ever reads or answers
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        done = subprocess.run(
+            [sys.executable, "-c", HUNG_COLLECTOR_PROBE],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        hung.close()
+    assert done.returncode == 0, done.stderr
+    (first_ok, first), (second_ok, second), (_, shutdown) = ast.literal_eval(done.stdout)
+    assert not first_ok and first < 5.0  # waited its own limit (1 s), not the exporter's
+    assert not second_ok and second < 0.5  # then stops waiting for a while
+    assert shutdown < 5.0
+    assert "not waiting for it again" in done.stderr
