@@ -10,7 +10,9 @@ COPY examples examples
 COPY templates templates
 COPY manage.py ./
 RUN pip install --no-cache-dir . && python manage.py collectstatic --noinput -v0
-RUN useradd --create-home app && mkdir -p /app/var && chown app /app/var
+# /blobs exists (owned by app) so that a volume mounted there starts writable for app.
+RUN useradd --create-home app && mkdir -p /app/var /blobs && chown app /app/var /blobs
 USER app
 EXPOSE 8000
-CMD ["gunicorn", "config.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", "--threads", "4"]
+CMD ["gunicorn", "config.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", "--threads", "4", \
+     "--access-logfile", "-"]
