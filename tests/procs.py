@@ -119,9 +119,12 @@ class Proc:
             self.log.close()
 
 
-def worker_argv(name: str, queues: list[str], concurrency: int = 1) -> list[str]:
-    """A prefork Celery worker of this project, quiet on the broker (no mingle, gossip or
-    heartbeat events), named ``name@host``: for the tests and the benchmarks."""
+def worker_argv(
+    name: str, queues: list[str], concurrency: int = 1, pool: str = "prefork"
+) -> list[str]:
+    """A Celery worker of this project (prefork unless told otherwise), quiet on the broker
+    (no mingle, gossip or heartbeat events), named ``name@host``: for the tests and the
+    benchmarks."""
     return [
         sys.executable,
         "-m",
@@ -130,7 +133,7 @@ def worker_argv(name: str, queues: list[str], concurrency: int = 1) -> list[str]
         "config",
         "worker",
         "--pool",
-        "prefork",
+        pool,
         "--concurrency",
         str(concurrency),
         "--without-mingle",
@@ -146,8 +149,10 @@ def worker_argv(name: str, queues: list[str], concurrency: int = 1) -> list[str]
 
 
 class CeleryWorker(Proc):
-    def __init__(self, name: str, env: dict[str, str], concurrency: int = 1) -> None:
-        argv = worker_argv(name, [env["CELERY_QUEUE"]], concurrency)
+    def __init__(
+        self, name: str, env: dict[str, str], concurrency: int = 1, pool: str = "prefork"
+    ) -> None:
+        argv = worker_argv(name, [env["CELERY_QUEUE"]], concurrency, pool)
         super().__init__(name, argv, env)
 
     def start(self) -> CeleryWorker:

@@ -22,6 +22,7 @@ from durability.models import (
     RunStatus,
 )
 from durability.testing import wait_until
+from tests.procs import CeleryWorker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -223,6 +224,31 @@ def test_sigterm_to_the_pool_process_abandons_a_long_step_cleanly(running, llm):
         what="the pool process to be replaced",
     )
     alive_workers(running)
+
+
+def test_a_solo_pool_worker_stops_on_sigterm(running, llm):
+    """``--pool solo`` runs tasks in the worker's main process: SIGTERM must stay Celery's
+    warm shutdown there (finish the step, hand the run back, exit), idle or busy."""
+    for worker in running.workers:
+        worker.terminate(timeout=30)
+    solo = CeleryWorker(f"{running.name}-solo", running.env, pool="solo").start()
+    try:
+        run = operations.start("test-loop", {"n": 12, "slow_ms": 300})
+        wait_until(lambda: Run.objects.get(pk=run.id).head_seq >= 2, timeout=30)
+        assert solo.name in Run.objects.get(pk=run.id).lease_owner
+        assert solo.terminate(timeout=30) == 0
+        assert Event.objects.filter(run=run, kind=EventKind.RELEASED).exists()
+        # Idle, after a task has run in it (the start-up sweep at least): it stops all the same.
+        solo.start()
+        solo.wait_for_log("durability.sweep[")
+        solo.wait_for_log("succeeded")
+        assert solo.terminate(timeout=30) == 0
+    finally:
+        solo.stop()
+    alive_workers(running)
+    assert finished(run.id).status == RunStatus.SUCCEEDED
+    assert_each_prompt_once(llm, 12)
+    assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
 
 
 def test_a_stalled_worker_whose_session_lives_on_is_taken_over(running, llm):

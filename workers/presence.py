@@ -50,13 +50,28 @@ def start(node: str) -> None:
     first.wait(timeout=10)
 
 
-def stop() -> None:
-    """Shutting down: stop announcing and withdraw, so no run is routed here any more."""
+def stop(timeout: float = 5.0) -> None:
+    """Shutting down: stop announcing and withdraw, so no run is routed here any more.
+
+    Called from Celery's SIGTERM handler, which may interrupt this very thread in the middle
+    of a query (a solo pool runs tasks in the main thread): a query on the thread's own
+    connection would wait forever for the one it interrupted. So the withdrawal is made on a
+    thread, and connection, of its own."""
     from durability import presence
 
     _stop.set()
-    if _name:
+    if not _name:
+        return
+    node = _name[0]
+
+    def withdraw() -> None:
         try:
-            presence.withdraw(_name[0])
+            presence.withdraw(node)
         except Exception:
-            log.warning("could not withdraw the presence of %s", _name[0], exc_info=True)
+            log.warning("could not withdraw the presence of %s", node, exc_info=True)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=withdraw, name="presence-withdraw", daemon=True)
+    thread.start()
+    thread.join(timeout)

@@ -9,7 +9,9 @@ its last checkpoint.
 Two paths lead here: SIGTERM to the main process (Celery's warm shutdown; the flag is
 shared with the pool's children through memory inherited across fork) and SIGTERM to a
 child directly (systemd and process-group kills). A child stopped directly exits once it has
-handed its run back, and the pool replaces it.
+handed its run back, and the pool replaces it. With a pool that runs tasks in the main
+process itself (``--pool solo``), Celery's own SIGTERM handler stays: its warm shutdown sets
+the flag, and the grace period starts then.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ from django.conf import settings
 from durability.errors import Abandon
 
 _shared = None  # a multiprocessing.Value made by the main process before the pool forks
+_main_pid: int | None = None  # the worker's main process
 _local = threading.Event()
 _in_step = threading.Event()
 _installed = False
+_grace_installed = False
 
 
 def prepare() -> None:
     """In the main worker process, before the pool starts."""
-    global _shared
+    global _shared, _main_pid
     _shared = multiprocessing.Value("b", 0, lock=False)
+    _main_pid = os.getpid()
 
 
 def announce() -> None:
@@ -40,6 +45,8 @@ def announce() -> None:
     _local.set()
     if _shared is not None:
         _shared.value = 1
+    if _grace_installed:
+        _start_grace_timer()  # tasks run in this process (solo pool): the grace starts now
 
 
 def requested() -> bool:
@@ -48,19 +55,28 @@ def requested() -> bool:
 
 def install_child_handler() -> None:
     """In a pool child, before its first task: billiard resets SIGTERM to "exit now" after
-    the process initialiser, so this is installed at task start instead."""
-    global _installed
+    the process initialiser, so this is installed at task start instead. In the worker's
+    main process (a solo pool) SIGTERM stays Celery's, or the worker would never stop: only
+    the grace period's end is handled here."""
+    global _installed, _grace_installed
     if _installed or threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGUSR2, _on_grace_over)
     _installed = True
+    if os.getpid() == _main_pid:
+        _grace_installed = True
+        return
+    signal.signal(signal.SIGTERM, _on_term)
 
 
 def _on_term(signum, frame) -> None:
     if _local.is_set():
         return
     _local.set()
+    _start_grace_timer()
+
+
+def _start_grace_timer() -> None:
     grace = float(getattr(settings, "DURABILITY_SHUTDOWN_GRACE_SECONDS", 10.0))
     timer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGUSR2))
     timer.daemon = True
