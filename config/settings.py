@@ -157,6 +157,12 @@ else:
         # not this timeout, is what recovers such runs quickly.
         "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
         "global_keyprefix": env_str("CELERY_KEY_PREFIX", ""),
+        # A Redis that accepts connections and never answers must not hold a socket forever
+        # (kombu and redis-py wait without limit by default). Longer than the consumer's
+        # one-second blocking pop.
+        "socket_connect_timeout": 5,
+        "socket_timeout": 30,
+        "socket_keepalive": True,
     }
 # Publishing must not hang an operator's request when the broker is down: the sweeper rings
 # again for any run whose doorbell was lost.
@@ -228,6 +234,9 @@ DURABILITY_BLOB_GC_GRACE_SECONDS = env_float("DURABILITY_BLOB_GC_GRACE_SECONDS",
 # window its latency and recovery figures cover.
 DURABILITY_METRICS_TOKEN = env_str("DURABILITY_METRICS_TOKEN", "")
 DURABILITY_METRICS_WINDOW_SECONDS = env_float("DURABILITY_METRICS_WINDOW_SECONDS", 300.0)
+# How long a publish to the broker may take before the caller goes on without it (the
+# sweeper rings again for runs left unclaimed).
+DURABILITY_RING_TIMEOUT_SECONDS = env_float("DURABILITY_RING_TIMEOUT_SECONDS", 5.0)
 # How long one computed /metrics answer is served again (0: computed on every scrape).
 DURABILITY_METRICS_CACHE_SECONDS = env_float("DURABILITY_METRICS_CACHE_SECONDS", 5.0)
 # Shared rate limits for named resources, respected by every worker:

@@ -100,3 +100,44 @@ def test_redis_restarted_mid_run(redis_cluster, llm):
     redis.start()
     all_succeed(runs, timeout=90)
     assert llm.total == 18 and set(llm.prompts.values()) == {1}
+
+
+def test_a_broker_that_hangs_does_not_hold_an_operator(tmp_path):
+    """A Redis that accepts connections and never answers: starting a run still returns
+    (the run is queued in PostgreSQL, its doorbell left to the sweeper) instead of hanging
+    in kombu's and redis-py's retries."""
+    import os
+    import socket
+    import sys
+
+    from tests.conftest import test_database_url
+    from tests.procs import ROOT
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # connections complete in the kernel; nothing ever reads or answers
+    try:
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "DATABASE_URL": test_database_url(),
+            "CELERY_BROKER_URL": f"redis://127.0.0.1:{hung.getsockname()[1]}/0",
+            "DURABILITY_RING_TIMEOUT_SECONDS": "1",
+        }
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "manage.py", "durability", "start", "test-ticker", "--input", "{}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        took = time.monotonic() - started
+    finally:
+        hung.close()
+    assert done.returncode == 0, done.stderr
+    assert "the broker did not take the message within 1 s" in done.stderr
+    assert took < 30  # the ring's own limit and the process's start-up, not minutes
+    run = Run.objects.get()
+    assert run.status == RunStatus.QUEUED
