@@ -19,6 +19,9 @@ import os
 import re
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from http.client import HTTPException
 from typing import Any, Protocol
 
 from durability import Permanent, RateLimited, Transient
@@ -57,19 +60,24 @@ class OpenAICompatible:
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read())
+                raw = response.read()
         except urllib.error.HTTPError as exc:
+            detail = _error_detail(exc)
             if exc.code == 429:
-                retry_after = exc.headers.get("Retry-After")
                 raise RateLimited(
-                    f"LLM rate limit ({exc.code})",
-                    retry_after=float(retry_after) if retry_after else None,
+                    f"LLM rate limit ({exc.code}){detail}",
+                    retry_after=_retry_after(exc.headers.get("Retry-After")),
                 ) from None
-            if exc.code >= 500:
-                raise Transient(f"LLM server error {exc.code}") from None
-            raise Permanent(f"LLM request refused: {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            if exc.code >= 500 or exc.code in (408, 409):
+                raise Transient(f"LLM server error {exc.code}{detail}") from None
+            raise Permanent(f"LLM request refused: {exc.code} {exc.reason}{detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, HTTPException) as exc:
             raise Transient(f"LLM unreachable: {exc}") from None
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            # A proxy's error page in place of the server's answer: worth another try.
+            raise Transient(f"LLM answer is not JSON: {raw[:200]!r}") from None
         try:
             text = payload["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
@@ -83,6 +91,32 @@ class OpenAICompatible:
                 "completion_tokens": usage.get("completion_tokens"),
             },
         }
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    """The server's own explanation (OpenAI puts it in the body), for the run's error."""
+    try:
+        body = exc.read()[:500].decode("utf-8", "replace").strip()
+    except Exception:
+        return ""
+    return f": {body}" if body else ""
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After is seconds or an HTTP date (RFC 9110); anything else is ignored."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
 _WORD = re.compile(r"[a-zA-Z][a-zA-Z\-]{2,}")

@@ -22,9 +22,11 @@ class _Server:
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 status, payload, headers = outer.handle(self.path, self.headers, body)
-                data = json.dumps(payload).encode()
+                # Bytes go out as they are (a proxy's HTML page); anything else as JSON.
+                raw = isinstance(payload, bytes)
+                data = payload if raw else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/html" if raw else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 for key, value in headers.items():
                     self.send_header(key, value)
@@ -59,12 +61,15 @@ class FakeLLM(_Server):
         self.prompts: Counter[str] = Counter()
         self.fail_next = 0  # answer 429 this many times
         self.delay = 0.0
+        # Answers given, in order, before any other: (status, JSON body or raw bytes, headers).
+        self.script: list[tuple[int, object, dict[str, str]]] = []
 
     def reset(self) -> None:
         with self.lock:
             self.prompts.clear()
             self.fail_next = 0
             self.delay = 0.0
+            self.script.clear()
 
     @property
     def total(self) -> int:
@@ -75,6 +80,8 @@ class FakeLLM(_Server):
             return 404, {"error": {"message": "not found"}}, {}
         prompt = body["messages"][-1]["content"]
         with self.lock:
+            if self.script:
+                return self.script.pop(0)
             if self.fail_next > 0:
                 self.fail_next -= 1
                 return 429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.05"}
