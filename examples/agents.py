@@ -13,8 +13,10 @@ order, asks an operator before refunds over 100 EUR, issues the refund and repli
 effects).
 
 Knobs in the input make them watchable: ``slow_ms`` (each step takes at least this long),
-``fail_transient`` (the first N searches or tool calls fail with a transient error, then
-succeed) and ``crash_at`` (the worker process dies, once, in that step).
+``fail_transient`` (each search or order lookup fails N times with a transient error, is
+retried with backoff, then succeeds; N <= 6) and ``crash_at`` (the worker process dies,
+once, in that step: after the step's LLM call where it makes one, which the recovered run
+replays instead of paying for again).
 """
 
 from __future__ import annotations
@@ -33,15 +35,31 @@ from examples import corpus, llm, tools
 REFUND_APPROVAL_OVER_EUR = 100.0
 
 
-def knobs(state, ctx, step: str) -> None:
+def knobs(state, ctx, step: str, *, crash_here: bool = True) -> None:
     options = ctx.input if isinstance(ctx.input, dict) else {}
     if options.get("slow_ms"):
         time.sleep(float(options["slow_ms"]) / 1000)
-    if options.get("crash_at") == step and not state.get("crashed_once"):
-        if ctx.attempt == 1:
-            # The first time the run reaches this step, its worker process dies.
-            os.kill(os.getpid(), signal.SIGKILL)
-        state["crashed_once"] = True
+    if crash_here:
+        crash_point(ctx, step)
+
+
+def crash_point(ctx, step: str) -> None:
+    """With ``crash_at`` naming this step, the worker process dies here, once per run.
+
+    Once is kept by a journaled marker, recorded before the kill: the step's next run (after
+    the recovery, or after an approval it waits for) replays it and goes on. A step whose
+    LLM call comes before this point replays that call too: it is not paid for twice."""
+    options = ctx.input if isinstance(ctx.input, dict) else {}
+    if options.get("crash_at") != step:
+        return
+    replayed = ctx.replayed
+    ctx.call("crash_at", _crash_marker, step)
+    if ctx.replayed == replayed:  # recorded just now: the first time the run is here
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crash_marker(step: str) -> str:
+    return f"crashed in {step}"
 
 
 def maybe_fail(ctx, what: str) -> None:
@@ -87,8 +105,9 @@ research = Agent(
         "properties": {
             "question": {"type": "string", "minLength": 3, "maxLength": 500},
             "slow_ms": {"type": "number", "minimum": 0, "maximum": 60000},
-            "fail_transient": {"type": "integer", "minimum": 0, "maximum": 10},
-            "crash_at": {"type": "string"},
+            # Each failing step is retried: at most max_retries (6) failures in a row.
+            "fail_transient": {"type": "integer", "minimum": 0, "maximum": 6},
+            "crash_at": {"enum": ["plan", "search", "summarise", "review", "publish"]},
             "publish": {"type": "boolean"},
         },
     },
@@ -110,7 +129,7 @@ research = Agent(
 
 @research.step(start=True)
 def plan(state, ctx):
-    knobs(state, ctx, "plan")
+    knobs(state, ctx, "plan", crash_here=False)
     answer = ctx.call(
         "llm",
         llm.complete,
@@ -119,6 +138,7 @@ def plan(state, ctx):
             {"role": "user", "content": state["question"]},
         ],
     )
+    crash_point(ctx, "plan")
     queries = [q.strip() for q in answer["text"].splitlines() if q.strip()][:4]
     state["plan"] = queries or [state["question"]]
     state["messages"].append(
@@ -144,16 +164,17 @@ def search(state, ctx):
 
 @research.step
 def summarise(state, ctx):
-    knobs(state, ctx, "summarise")
+    knobs(state, ctx, "summarise", crash_here=False)
     answer = ctx.call(
         "llm",
         llm.complete,
         [
             {"role": "system", "content": llm.TASK_SUMMARY},
-            *[m for m in state["messages"] if m["role"] == "tool"],
+            *[llm.observation(m["content"]) for m in state["messages"] if m["role"] == "tool"],
             {"role": "user", "content": state["question"]},
         ],
     )
+    crash_point(ctx, "summarise")
     state["draft"] = answer["text"]
     state["messages"].append({"role": "assistant", "content": answer["text"]})
     if ctx.input.get("publish") is False:
@@ -215,8 +236,8 @@ support = Agent(
             "customer": {"type": "string", "minLength": 3},
             "message": {"type": "string", "minLength": 1, "maxLength": 5000},
             "slow_ms": {"type": "number", "minimum": 0, "maximum": 60000},
-            "fail_transient": {"type": "integer", "minimum": 0, "maximum": 10},
-            "crash_at": {"type": "string"},
+            "fail_transient": {"type": "integer", "minimum": 0, "maximum": 6},
+            "crash_at": {"enum": ["think", "act"]},
         },
     },
     initial_state=lambda inp: {
@@ -235,7 +256,7 @@ support = Agent(
 
 @support.step(start=True)
 def think(state, ctx):
-    knobs(state, ctx, "think")
+    knobs(state, ctx, "think", crash_here=False)
     if state["iterations"] >= 10:
         state["resolution"] = "gave up after 10 iterations"
         return END
@@ -244,17 +265,59 @@ def think(state, ctx):
         "llm",
         llm.complete,
         [
-            {"role": "system", "content": f"Tools: lookup_order, refund, reply. {llm.TASK_TOOL}"},
-            *state["messages"][1:],
+            {"role": "system", "content": SUPPORT_PROMPT},
+            *llm.for_the_model(state["messages"][1:]),
         ],
     )
-    try:
-        choice = json.loads(answer["text"])
-    except ValueError:
-        choice = {"tool": "reply", "args": {"text": answer["text"]}}
-    state["pending"] = choice
+    crash_point(ctx, "think")
     state["messages"].append({"role": "assistant", "content": answer["text"]})
+    choice = tool_choice(answer["text"])
+    if choice is None:
+        # Never mail the customer what was meant for the tools: say so, and think again.
+        state["messages"].append(
+            {
+                "role": "tool",
+                "content": json.dumps(
+                    {"status": "not_a_tool_choice", "expected": TOOL_CHOICE_EXAMPLE}
+                ),
+            }
+        )
+        return "think"
+    state["pending"] = choice
     return "act"
+
+
+TOOL_CHOICE_EXAMPLE = {"tool": "lookup_order", "args": {"order_id": "A-1001"}}
+SUPPORT_PROMPT = (
+    "You help customers of an electronics shop. Tools: lookup_order(order_id),"
+    " refund(order_id), reply(text) (the email to the customer, which ends the conversation)."
+    f" {llm.TASK_TOOL} Answer with that object only, for example"
+    f" {json.dumps(TOOL_CHOICE_EXAMPLE)}."
+)
+_TOOLS = {"lookup_order": "order_id", "refund": "order_id", "reply": "text"}
+
+
+def tool_choice(text: str) -> dict | None:
+    """The model's choice as {"tool", "args"}, or None when it is not one: a code fence
+    around the object is tolerated, prose or an unknown tool is not."""
+    body = text.strip()
+    if body.startswith("```"):
+        body = body.strip("`").strip()
+        body = body.removeprefix("json").strip()
+    try:
+        choice = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(choice, dict) or choice.get("tool") not in _TOOLS:
+        return None
+    args = choice.get("args")
+    if not isinstance(args, dict):
+        # Some models put the arguments next to the tool name.
+        args = {k: v for k, v in choice.items() if k != "tool"}
+    needed = _TOOLS[choice["tool"]]
+    if not isinstance(args.get(needed), str) or not args[needed].strip():
+        return None
+    return {"tool": choice["tool"], "args": args}
 
 
 @support.step
@@ -268,6 +331,11 @@ def act(state, ctx):
     elif tool == "refund":
         order = ctx.call("lookup_order", tools.lookup_order, args.get("order_id", ""))
         amount = order.get("amount_eur", 0)
+        if order.get("lookup") != "order_found" or order.get("customer") != state["customer"]:
+            # Only the customer who placed the order gets its money back.
+            observation = {"status": "refund_refused", "reason": "not this customer's order"}
+            state["messages"].append({"role": "tool", "content": json.dumps(observation)})
+            return "think"
         if amount > REFUND_APPROVAL_OVER_EUR:
             decision = ctx.approval(
                 "refund",
@@ -286,7 +354,17 @@ def act(state, ctx):
                 }
                 state["messages"].append({"role": "tool", "content": json.dumps(observation)})
                 return "think"
-            amount = (decision.payload or {}).get("amount_eur", amount)
+            approved = (decision.payload or {}).get("amount_eur", amount)
+            if not _valid_amount(approved, order["amount_eur"]):
+                observation = {
+                    "status": "refund_declined",
+                    "by": decision.by,
+                    "comment": f"approved amount {approved!r} is not between 0 and"
+                    f" {order['amount_eur']} EUR",
+                }
+                state["messages"].append({"role": "tool", "content": json.dumps(observation)})
+                return "think"
+            amount = float(approved)
         receipt = ctx.effect("refund", tools.refund, order.get("order_id"), amount)
         observation = {**receipt, "status": "refund_done"}
     elif tool == "reply":
@@ -300,6 +378,13 @@ def act(state, ctx):
         observation = {"status": "unknown_tool", "tool": tool}
     state["messages"].append({"role": "tool", "content": json.dumps(observation)})
     return "think"
+
+
+def _valid_amount(value, ceiling: float) -> bool:
+    """An operator's amount: a number above 0 and at most what the order cost."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return 0 < value <= ceiling
 
 
 # --- concierge: a conversation with a sub-agent per question -----------------------------------

@@ -32,6 +32,35 @@ OFFLINE_MODEL = "offline-stand-in (deterministic, not an LLM)"
 TASK_QUERIES = "Reply with search queries, one per line."
 TASK_SUMMARY = "Answer the question from the notes below, citing sources in brackets."
 TASK_TOOL = "Reply with one JSON object choosing the next tool."
+# What a tool returned goes to the model as a user message with this prefix: a "tool" role
+# must answer an assistant message's tool_calls, which these plain-text agents do not make,
+# and OpenAI (and servers following it) refuse it otherwise.
+OBSERVATION = "Observation: "
+
+
+def observation(text: str) -> dict[str, str]:
+    return {"role": "user", "content": OBSERVATION + text}
+
+
+def for_the_model(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """An agent's transcript as chat messages: its "tool" entries become observations."""
+    return [observation(m["content"]) if m["role"] == "tool" else m for m in messages]
+
+
+def _observations(messages: list[dict[str, str]]) -> list[str]:
+    return [
+        m["content"].removeprefix(OBSERVATION)
+        for m in messages
+        if m["role"] == "user" and m["content"].startswith(OBSERVATION)
+    ]
+
+
+def _requests(messages: list[dict[str, str]]) -> list[str]:
+    return [
+        m["content"]
+        for m in messages
+        if m["role"] == "user" and not m["content"].startswith(OBSERVATION)
+    ]
 
 
 class LLMClient(Protocol):
@@ -121,6 +150,7 @@ def _retry_after(value: str | None) -> float | None:
 
 _WORD = re.compile(r"[a-zA-Z][a-zA-Z\-]{2,}")
 _STOP = {
+    "add",
     "the",
     "and",
     "for",
@@ -213,7 +243,7 @@ class OfflineStandIn:
 
     def complete(self, messages: list[dict[str, str]], *, max_tokens: int = 512) -> dict:
         system = " ".join(m["content"] for m in messages if m["role"] == "system")
-        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        user = next(reversed(_requests(messages)), "")
         if TASK_QUERIES in system:
             text = self._queries(user)
         elif TASK_SUMMARY in system:
@@ -239,7 +269,7 @@ class OfflineStandIn:
 
     def _summary(self, question: str, messages: list[dict[str, str]]) -> str:
         wanted = set(words(question))
-        notes = [m["content"] for m in messages if m["role"] == "tool"]
+        notes = _observations(messages)
         scored = []
         for note in notes:
             source = note.split("]", 1)[0].lstrip("[") if note.startswith("[") else "notes"
@@ -254,8 +284,8 @@ class OfflineStandIn:
         return " ".join(f"{sentence} [{source}]" for _, _, sentence, source in picked)
 
     def _tool(self, messages: list[dict[str, str]]) -> str:
-        seen = " ".join(m["content"] for m in messages if m["role"] == "tool")
-        request = next((m["content"] for m in messages if m["role"] == "user"), "")
+        seen = " ".join(_observations(messages))
+        request = next(iter(_requests(messages)), "")
         order = re.search(r"\b[A-Z]-\d{4}\b", request)
         if order and "order_found" not in seen and "order_missing" not in seen:
             return json.dumps({"tool": "lookup_order", "args": {"order_id": order.group(0)}})

@@ -53,6 +53,27 @@ class _Server:
         raise NotImplementedError
 
 
+def completion(text: str, model: str = "fake-model") -> tuple[int, dict, dict]:
+    """One scripted chat-completions answer (for ``FakeLLM.script``)."""
+    return (
+        200,
+        {
+            "id": "chatcmpl-scripted",
+            "object": "chat.completion",
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": len(text.split())},
+        },
+        {},
+    )
+
+
 class FakeLLM(_Server):
     """Speaks the chat-completions wire format; counts every request by prompt."""
 
@@ -63,6 +84,7 @@ class FakeLLM(_Server):
         self.delay = 0.0
         # Answers given, in order, before any other: (status, JSON body or raw bytes, headers).
         self.script: list[tuple[int, object, dict[str, str]]] = []
+        self.requests: list[dict] = []  # every request body, in order
 
     def reset(self) -> None:
         with self.lock:
@@ -70,6 +92,7 @@ class FakeLLM(_Server):
             self.fail_next = 0
             self.delay = 0.0
             self.script.clear()
+            self.requests.clear()
 
     @property
     def total(self) -> int:
@@ -80,6 +103,7 @@ class FakeLLM(_Server):
             return 404, {"error": {"message": "not found"}}, {}
         prompt = body["messages"][-1]["content"]
         with self.lock:
+            self.requests.append(body)
             if self.script:
                 return self.script.pop(0)
             if self.fail_next > 0:

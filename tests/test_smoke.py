@@ -55,6 +55,23 @@ def test_recovers_after_its_worker_process_is_killed(workers):
     assert operations.verify(run.id)[0].ok
 
 
+def test_the_crash_knob_kills_once_even_across_an_approval(workers):
+    """``crash_at`` names the step whose worker dies: once per run, although the step runs
+    again after its recovery and again after the approval it waits for."""
+    run = operations.start(
+        "research", {"question": "How do fencing tokens make leases safe?", "crash_at": "review"}
+    )
+    waiting = settled(run.id)
+    assert waiting.wait_reason == "approval", waiting.error
+    operations.decide(run.id, "publish", approve=True, by="smoke")
+    done = wait_until(
+        lambda: (r := Run.objects.get(pk=run.id)).is_finished and r, timeout=90, what="the end"
+    )
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert Event.objects.filter(run=run, kind=EventKind.RECOVERED).count() == 1
+    assert OutboxMessage.objects.filter(channel="publish").count() == 1
+
+
 def test_large_refund_waits_for_approval_with_edits(workers):
     run = operations.start(
         "support",

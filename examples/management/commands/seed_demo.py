@@ -20,12 +20,14 @@ DEMOS = [
             "slow_ms": 600,
             "crash_at": "summarise",
         },
-        "its worker is killed once in 'summarise'; watch it recover",
+        "its worker is killed once in 'summarise', after the LLM call: it recovers and"
+        " replays that call instead of paying for it again; then waits for your approval",
     ),
     (
         "research",
         {"question": "What does a write-ahead log guarantee?", "slow_ms": 500, "fail_transient": 2},
-        "its searches fail twice with transient errors, then succeed",
+        "each search fails twice with a transient error, is retried with backoff, then"
+        " succeeds; then waits for your approval",
     ),
     (
         "support",
@@ -66,6 +68,6 @@ class Command(BaseCommand):
         self.stdout.write(
             f"  {chat.short_id}  concierge a conversation: each question goes to a research"
             " sub-agent; ask the next one with\n"
-            f"            python manage.py durability send {chat.short_id} user"
+            f"            .venv/bin/python manage.py durability send {chat.short_id} user"
             " --data '\"What is a write-ahead log?\"'"
         )
