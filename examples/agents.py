@@ -333,7 +333,8 @@ def act(state, ctx):
         amount = order.get("amount_eur", 0)
         if order.get("lookup") != "order_found" or order.get("customer") != state["customer"]:
             # Only the customer who placed the order gets its money back.
-            observation = {"status": "refund_refused", "reason": "not this customer's order"}
+            why = "no such order" if order.get("lookup") != "order_found" else "not their order"
+            observation = {"status": "refund_refused", "reason": why}
             state["messages"].append({"role": "tool", "content": json.dumps(observation)})
             return "think"
         if amount > REFUND_APPROVAL_OVER_EUR:
