@@ -106,12 +106,19 @@ def plain_loop(agent_name: str, kb: int, n: int) -> list[float]:
 
 
 def engine_loop(
-    b: Bench, agent_name: str, kb: int, n: int, samples: Samples, durability: str | None = None
+    b: Bench,
+    agent_name: str,
+    kb: int,
+    n: int,
+    samples: Samples,
+    durability: str | None = None,
+    send_ahead: bool = True,
 ) -> None:
     """Start a run and execute it here; collect its per-step times and its WAL flushes."""
     from django.db import connection
+    from django.test.utils import override_settings
 
-    from durability import operations
+    from durability import inflight, operations
     from durability.models import Checkpoint
 
     run = operations.start(agent_name, {"kb": kb, "n": n}, by="bench", durability=durability)
@@ -120,10 +127,15 @@ def engine_loop(
     assert b.observer is not None
     before = read_wal(b.observer)
     agents.STAMPS.clear()
-    outcome = execute_until_done(run.id)
+    with override_settings(DURABILITY_SEND_AHEAD=send_ahead):
+        outcome = execute_until_done(run.id)
     stamps = list(agents.STAMPS)
     with connection.cursor() as cur:
         flush_stats(cur.execute)
+    sent_ahead = inflight.channel().connection  # the session most commits went over
+    if sent_ahead is not None:
+        with sent_ahead.cursor() as cur:
+            flush_stats(cur.execute)
     # The lease keeper's and snapshot writer's sessions publish their counters on exit.
     time.sleep(0.05)
     after = read_wal(b.observer)
@@ -157,13 +169,14 @@ def run(b: Bench) -> None:
         fsync = cur.fetchone()[0]
         cur.execute("SHOW wal_sync_method")
         sync_method = cur.fetchone()[0]
-    # psycopg prepares statements only if its connection allows it; Django's default
-    # (prepare_threshold=None) turns server-side prepared statements off altogether.
-    prepare_threshold = getattr(connection.connection, "prepare_threshold", "n/a")
+    from django.conf import settings
+
+    prepared = getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True)
+    ahead = getattr(settings, "DURABILITY_SEND_AHEAD", True)
     print(
         f"engine session: synchronous_commit={sync_commit}, fsync={fsync},"
-        f" wal_sync_method={sync_method}, psycopg prepare_threshold={prepare_threshold}"
-        f"{' (prepared statements off)' if prepare_threshold is None else ''}"
+        f" wal_sync_method={sync_method}; commit statement prepared: {prepared};"
+        f" commits sent ahead of the next step: {ahead}"
     )
     b.add(
         "overhead",
@@ -182,6 +195,7 @@ def run(b: Bench) -> None:
     window = Samples()
     relaxed = Samples()
     periodic = Samples()
+    waited = Samples()
     try:
         with doorbell(False):
             # Warm-up: connections, imports, the server's caches for these tables.
@@ -207,6 +221,9 @@ def run(b: Bench) -> None:
                 engine_loop(b, "bench-ring", 10, steps[10], relaxed, durability="relaxed")
                 periodic.plain += plain_loop("bench-ring", 10, steps[10])
                 engine_loop(b, "bench-ring", 10, steps[10], periodic, durability="periodic")
+                # Each commit waited for where it is made (DURABILITY_SEND_AHEAD off).
+                waited.plain += plain_loop("bench-ring", 10, steps[10])
+                engine_loop(b, "bench-ring", 10, steps[10], waited, send_ahead=False)
             # Informational: the same 1 KB change per step on a 1 MB state, as a sliding
             # window (append one message, drop the oldest) instead of a ring buffer.
             n_window = 30 if b.quick else 100
@@ -218,7 +235,7 @@ def run(b: Bench) -> None:
     finally:
         floor.close()
         truncate_product_tables()
-    report(b, floor, results, with_call, window, relaxed, periodic)
+    report(b, floor, results, with_call, window, relaxed, periodic, waited)
 
 
 def report(
@@ -229,6 +246,7 @@ def report(
     window: Samples,
     relaxed: Samples,
     periodic: Samples,
+    waited: Samples,
 ) -> None:
     f_med, f_p99 = median(floor.samples), percentile(floor.samples, 99)
     t_med, t_p99 = median(floor.tx_samples), percentile(floor.tx_samples, 99)
@@ -244,11 +262,13 @@ def report(
         "window": "1 MB sliding window (info)",
         "relaxed": "10 KB, relaxed level",
         "periodic": "10 KB, periodic level (10 steps)",
+        "waited": "10 KB, commits waited for",
     }
     all_samples = [
         *((kb, results[kb]) for kb in SIZES_KB),
         ("relaxed", relaxed),
         ("periodic", periodic),
+        ("waited", waited),
         ("call", with_call),
         ("window", window),
     ]
@@ -335,6 +355,13 @@ def report(
         "10 KB state, periodic level (every 10 steps): mean overhead / floor median",
         f"{ms(per_mean)} = {fmt_ratio(ratio(per_mean, f_med))};"
         f" WAL syncs {periodic.wal_syncs} for {periodic.steps} steps",
+    )
+    over_waited = median(waited.engine) - median(waited.plain)
+    b.add(
+        "overhead",
+        "10 KB state, each commit waited for (DURABILITY_SEND_AHEAD=0): median / floor median",
+        f"{ms(over_waited)} = {fmt_ratio(ratio(over_waited, f_med))}"
+        f" (sent ahead: {fmt_ratio(ratio(figures[10][0], f_med))})",
     )
     b.add("overhead", "replicated level", "not measured: this server has no synchronous standby")
     over_call = median(with_call.engine) - median(with_call.plain)

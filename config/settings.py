@@ -245,6 +245,13 @@ DURABILITY_RATE_LIMITS = env_str("DURABILITY_RATE_LIMITS", "")
 # Workers announce the agent versions they run this often (a rolling deploy routes each run
 # to one that can continue it; an announcement older than three rounds is stale).
 DURABILITY_PRESENCE_SECONDS = env_float("DURABILITY_PRESENCE_SECONDS", 15.0)
+# PostgreSQL: a step's checkpoint is sent and the next step starts computing before the
+# answer is in (nothing it does leaves the process until then). It uses one more database
+# connection per worker process. Off: each commit is waited for where it is made.
+DURABILITY_SEND_AHEAD = env_bool("DURABILITY_SEND_AHEAD", True)
+# The commit statement is prepared once per connection. Turn off behind a pooler that
+# shares sessions between clients (PgBouncer in transaction mode).
+DURABILITY_PREPARED_STATEMENTS = env_bool("DURABILITY_PREPARED_STATEMENTS", True)
 # A worker whose database went away waits this long for it before giving the run up.
 DURABILITY_DB_WAIT_SECONDS = env_float("DURABILITY_DB_WAIT_SECONDS", 300.0)
 # Detecting tampering (not only corruption) needs a key kept outside the database.

@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
-from durability import canonical, diff
+from durability import canonical, diff, inflight
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
 from durability.faults import fault, faults_armed
 from durability.models import (
@@ -283,10 +283,7 @@ def synchronous_standby() -> tuple[bool, str]:
 def commit_step(c: StepCommit) -> int:
     """Commit one step's checkpoint, fenced on the lease token and the head. Returns the new
     checkpoint's id; raises ``FencedOut`` naming the guard that failed."""
-    facts = {"bytes": c.size, "delta": len(c.ops_bytes), "ops": c.ops_count}
-    if c.upgraded_from is not None:
-        facts["upgraded_from"] = c.upgraded_from
-    data = canonical.dumps(facts).decode()
+    data = _facts(c)
     if connection.vendor != "postgresql":
         with transaction.atomic():
             checkpoint_id = _commit_orm(c, data)
@@ -295,6 +292,14 @@ def commit_step(c: StepCommit) -> int:
     if c.durability == "replicated":
         return _commit_replicated(c, data)
     return _commit_pg_transaction(c, data)
+
+
+def _facts(c: StepCommit) -> str:
+    """The checkpoint event's data."""
+    facts = {"bytes": c.size, "delta": len(c.ops_bytes), "ops": c.ops_count}
+    if c.upgraded_from is not None:
+        facts["upgraded_from"] = c.upgraded_from
+    return canonical.dumps(facts).decode()
 
 
 def _commit_pg_transaction(c: StepCommit, data: str) -> int:
@@ -376,42 +381,84 @@ def fetch_one_prepared(sql: str, params: dict[str, Any]) -> tuple | None:
 
 
 def _commit_pg(c: StepCommit, data: str) -> int:
-    sync = _SYNCHRONOUS_COMMIT.get(c.durability)
-    row = fetch_one_prepared(
-        _SQL[(c.finished, c.snapshot is not None, sync is not None)],
-        {
-            "sync": sync,
-            "run": c.run_id,
-            "token": c.token,
-            "head_seq": c.head.seq,
-            "next_step": c.next_step,
-            "status": RunStatus.SUCCEEDED if c.finished else RunStatus.RUNNING,
-            "lease": c.lease_seconds,
-            "parent": c.head.id,
-            "step": c.step,
-            "state_hash": c.state_hash,
-            "chain_hash": c.chain_hash,
-            "schema_version": c.schema_version,
-            "agent_version": c.agent_version,
-            "config_hash": c.config_hash,
-            "packages": c.packages,
-            "replay_base": c.replay_base_id,
-            "replay_counters": c.replay_counters,
-            "size": c.size,
-            "delta_size": len(c.ops_bytes),
-            "delta_run": c.delta_run,
-            "commit_id": c.commit_id,
-            "ops": c.ops_bytes.decode(),
-            "count": c.ops_count,
-            "worker": c.worker,
-            "data": data,
-            "prev_us": c.prev_commit_us,
-            "snapshot": c.snapshot.decode() if c.snapshot is not None else None,
-        },
-    )
+    row = fetch_one_prepared(_statement(c), _params(c, data))
     if row is None:
         raise _fenced(c.run_id, c.token, c.head.seq)
     return row[0]
+
+
+def _statement(c: StepCommit) -> str:
+    return _SQL[(c.finished, c.snapshot is not None, c.durability in _SYNCHRONOUS_COMMIT)]
+
+
+def _params(c: StepCommit, data: str, raw: bool = False) -> dict[str, Any]:
+    """The statement's parameters; ``raw`` keeps the patch and the snapshot as the bytes
+    they are (the channel sends bytes as they are)."""
+    return {
+        "sync": _SYNCHRONOUS_COMMIT.get(c.durability),
+        "run": c.run_id,
+        "token": c.token,
+        "head_seq": c.head.seq,
+        "next_step": c.next_step,
+        "status": RunStatus.SUCCEEDED if c.finished else RunStatus.RUNNING,
+        "lease": c.lease_seconds,
+        "parent": c.head.id,
+        "step": c.step,
+        "state_hash": c.state_hash,
+        "chain_hash": c.chain_hash,
+        "schema_version": c.schema_version,
+        "agent_version": c.agent_version,
+        "config_hash": c.config_hash,
+        "packages": c.packages,
+        "replay_base": c.replay_base_id,
+        "replay_counters": c.replay_counters,
+        "size": c.size,
+        "delta_size": len(c.ops_bytes),
+        "delta_run": c.delta_run,
+        "commit_id": c.commit_id,
+        "ops": c.ops_bytes if raw else c.ops_bytes.decode(),
+        "count": c.ops_count,
+        "worker": c.worker,
+        "data": data,
+        "prev_us": c.prev_commit_us,
+        "snapshot": c.snapshot if raw or c.snapshot is None else c.snapshot.decode(),
+    }
+
+
+# --- commits in flight ---------------------------------------------------------------------
+
+
+def can_send_ahead(c: StepCommit) -> bool:
+    """Whether this commit may be sent without waiting for its answer: PostgreSQL, outside
+    any transaction of the caller's, no fault point armed (a test killing the process
+    "after the commit" needs it answered), and a level with nothing to wait for besides
+    the local flush (a replicated commit has its own timeout)."""
+    return (
+        bool(getattr(settings, "DURABILITY_SEND_AHEAD", True))
+        and connection.vendor == "postgresql"
+        and c.durability in ("strict", "relaxed")
+        and not faults_armed()
+        and not connection.in_atomic_block
+    )
+
+
+def send_step(c: StepCommit) -> None:
+    """Send the commit of one step; ``step_answer`` takes its outcome."""
+    inflight.channel().send(_statement(c), _params(c, _facts(c), raw=True))
+
+
+def step_ready() -> bool:
+    """Whether the answer of the commit in flight is in (without waiting for it)."""
+    return inflight.channel().ready()
+
+
+def step_answer(c: StepCommit) -> int:
+    """The id of the checkpoint ``send_step(c)`` wrote; ``FencedOut`` naming the guard
+    that failed; Django's database errors if the connection failed on the way."""
+    row = inflight.channel().answer()
+    if row is None:
+        raise _fenced(c.run_id, c.token, c.head.seq)
+    return int(row[0])
 
 
 def _commit_orm(c: StepCommit, data: str) -> int:

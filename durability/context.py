@@ -120,6 +120,7 @@ class Context:
         what_if: WhatIf | None = None,
         occurrences: dict | None = None,
         before_durable: Callable[[], None] | None = None,
+        settle: Callable[[], int] | None = None,
     ) -> None:
         self.run_id = run_id
         self.agent = agent
@@ -131,7 +132,10 @@ class Context:
         self.retry = retry
         self.input = input
         self.worker = worker
-        self._base_id = base_id
+        self._base = base_id
+        # The previous step's commit may still be in flight: ``settle`` waits for it and
+        # returns its checkpoint's id, this step's base.
+        self._settle = settle
         self._token = token
         self._records = records
         # Shared across the steps of a period at the periodic level (one base for all).
@@ -147,6 +151,19 @@ class Context:
         self.what_if = what_if
 
     # --- identity ---------------------------------------------------------------------------
+
+    @property
+    def _base_id(self) -> int:
+        """The base checkpoint, durable: anything that leaves the process (a call, an
+        effect, a record, a suspension) asks for it first."""
+        self._settled()
+        return self._base
+
+    def _settled(self) -> None:
+        """Before anything leaves the process: the previous step's commit is durable."""
+        if self._settle is not None:
+            self._base = self._settle()
+            self._settle = None
 
     def _durable_point(self) -> None:
         """Before an effect, a suspension or a spawn: at the periodic level, the steps kept in
@@ -179,6 +196,7 @@ class Context:
     def _journaled(
         self, kind: str, key: str, fn: Callable, args: tuple, kwargs: dict, meta: str = ""
     ) -> Any:
+        self._settled()
         occ = self._next("journal", key)
         fname = function_name(fn)
         ahash = args_hash(args, kwargs)
@@ -297,6 +315,7 @@ class Context:
     def put_blob(self, data: str | bytes) -> dict:
         """Store a large value once, by content, and return the reference to keep in state.
         (Strings over ``DURABILITY_BLOB_BYTES`` are moved there at commit anyway.)"""
+        self._settled()
         from durability import blobs
 
         return blobs.put(data)
@@ -304,6 +323,7 @@ class Context:
     def blob(self, value: Any) -> Any:
         """The value behind a blob reference (read now, checked against its hash), or
         ``value`` itself when it is not a reference: read large state values through it."""
+        self._settled()
         from durability import blobs
 
         if not blobs.is_ref(value):
@@ -318,6 +338,7 @@ class Context:
     def sleep(self, seconds: float, *, key: str = "sleep") -> None:
         """Wait ``seconds`` without holding a worker: the run is suspended and woken by the
         sweeper when the time is due; the step then runs again and this returns."""
+        self._settled()
         self._durable_point()
         occ = self._next("journal", f"__sleep__:{key}")
         rec = self._records.journal.get((f"__sleep__:{key}", occ))
@@ -362,6 +383,7 @@ class Context:
         simply repeated with the same key; otherwise ``reconcile(idempotency_key)`` is asked
         (return the result, ``NOT_DONE``, or ``None`` for "cannot tell"); failing that the
         run waits for an operator to say what happened ("in doubt")."""
+        self._settled()
         self._durable_point()
         occ = self._next("effect", key)
         fname = function_name(fn)
@@ -555,6 +577,7 @@ class Context:
     def wait_for(self, name: str) -> Any:
         """The next message named ``name`` sent to this run (in arrival order), waiting for it
         without holding a worker if none has arrived. A replay gets the same message."""
+        self._settled()
         self._durable_point()
         occ = self._next("message", name)
         rec = self._records.messages.get((name, occ))
@@ -596,6 +619,7 @@ class Context:
         """Start a child run of ``agent`` and return its id. The child's row is the spawn's
         record, created under this run's lease: a re-run of the step finds it, so a crash
         between spawning and recording never makes two children."""
+        self._settled()
         self._durable_point()
         key = key or agent
         occ = self._next("spawn", key)
@@ -618,6 +642,7 @@ class Context:
         ``{"run", "agent", "status", "result", "error"}`` per child, in the order given
         (``result`` is a succeeded child's final state). Recorded once all have finished,
         so a replay sees the same answer even if a child is later resumed."""
+        self._settled()
         self._durable_point()
         ids = [str(c) for c in children]
         record_key = f"__join__:{key}"
@@ -656,6 +681,7 @@ class Context:
         operator when empty); after ``timeout`` seconds without a decision the sweeper
         rejects, approves, or (``"escalate"``) re-addresses it to ``escalate_to`` and
         restarts the clock, rejecting if that group does not decide in time either."""
+        self._settled()
         self._durable_point()
         if on_timeout not in ("reject", "approve", "escalate"):
             raise ValueError(f"on_timeout must be reject, approve or escalate, not {on_timeout!r}")

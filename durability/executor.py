@@ -14,17 +14,26 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    transaction,
+)
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -67,6 +76,21 @@ DB_DOWN = (OperationalError, InterfaceError)
 
 
 _AGAIN = object()  # run the same step again from its base (see Execution._attempt)
+
+
+@dataclass
+class InFlight:
+    """A step's commit, sent; its answer not taken yet."""
+
+    commit: StepCommit
+    seq: int
+    sent_at: float
+    span: Any
+    snapshot_bytes: bytes | None  # a snapshot to write off the hot path once its id is known
+    # When the worker first saw the answer in (polled at the next step's start): the commit's
+    # latency ends there, not when the worker got round to taking it.
+    answered_at: float | None = None
+    interrupted: bool = False
 
 
 class Outcome(StrEnum):
@@ -252,10 +276,13 @@ class Execution:
         self.upgraded_from: int | None = None
         self.db_errors = 0
         self.failure: str = ""
+        # The previous step's commit, sent and not answered yet (see _settle).
+        self.inflight: InFlight | None = None
         row = claim.run
         self.fingerprint: tuple[str, str] = ("", "")
         self.pc = ""
         self.base_id, self.base_seq = 0, 0
+        self.identity = 0  # bumped with each new base (whose id may not be known yet)
         self.counters = {}
         self.step_start_counters: dict = {}
         self.pending = 0
@@ -269,6 +296,11 @@ class Execution:
         )
 
     def close(self) -> None:
+        if self.inflight is not None:
+            try:
+                self._settle()
+            except Exception as exc:  # the outcome is decided; a commit that failed wrote nothing
+                log.warning("run %s: the last commit sent ahead did not land: %s", self.run_id, exc)
         self.snapshots.close()
         if self.latency_unreported and self.prev_commit_us is not None:
             try:
@@ -324,6 +356,10 @@ class Execution:
             if self.keeper.lost.is_set():
                 return Outcome.LOST
             if self.should_stop() or time.monotonic() > self.deadline:
+                try:
+                    self._settle()
+                except (FencedOut, LeaseLost):
+                    return Outcome.LOST
                 if self.pending:
                     # Between steps, the live state is the period's: keep it before leaving.
                     try:
@@ -334,6 +370,10 @@ class Execution:
                 return self._yield()
             fn = self.agent.steps.get(step)
             if fn is None:
+                try:
+                    self._settle()
+                except (FencedOut, LeaseLost):
+                    return Outcome.LOST
                 return self._fail(
                     StepError(
                         f"agent {self.agent.name}@{self.agent.version} has no step {step!r}",
@@ -356,10 +396,12 @@ class Execution:
                 what_if=self.what_if,
                 occurrences=self.counters,
                 before_durable=self._flush_period if self.periodic else None,
+                settle=self._settled_base if self.inflight is not None else None,
             )
             ctx.secrets = self.secrets
             fault("before_step", run=self.run_id, step=step, seq=self.head.seq)
-            base_before = self.base_id
+            self._poll_answer()
+            identity_before = self.identity
             with telemetry.step(step, self.head.seq, self.attempts) as span:
                 outcome = self._attempt(step, fn, ctx, span)
             if outcome is _AGAIN:
@@ -370,19 +412,97 @@ class Execution:
                 continue
             if outcome is not None:
                 return outcome
-            if self.base_id != base_before:
+            if self.identity != identity_before:
                 records = Records.empty()  # a new base: nothing recorded against it yet
 
     @property
     def periodic(self) -> bool:
         return self.row.durability == Durability.PERIODIC
 
-    def _new_identity(self, base_id: int, base_seq: int) -> None:
-        """The checkpoint the next steps' operations are identified by, with fresh counters."""
+    def _new_identity(self, base_id: int | None, base_seq: int) -> None:
+        """The checkpoint the next steps' operations are identified by, with fresh counters.
+        (Its id is None while its commit is in flight.)"""
+        self.identity += 1
         self.base_id, self.base_seq = base_id, base_seq
         self.counters: dict[tuple[str, str], int] = {}
         self.pending = 0
         self.period_started = time.monotonic()
+
+    def _settle(self) -> None:
+        """Take the answer of the commit in flight. Until it is in, the next step only
+        computes: its context settles before any call, effect, suspension or write, every
+        way out of the loop settles before it writes, and the next commit settles before it
+        is sent (its parent is this one). So no step acts on a checkpoint that is not
+        durable, and a commit that failed discards what ran ahead of it."""
+        pending = self.inflight
+        if pending is None:
+            return
+        try:
+            if pending.interrupted:
+                # A signal cut the last wait short, and the channel was closed under it.
+                checkpoint_id = self._recover_commit(pending.commit, failed=False)
+            else:
+                try:
+                    checkpoint_id = checkpoints.step_answer(pending.commit)
+                except FencedOut as exc:
+                    log.warning("%s", exc)
+                    raise
+                except DB_DOWN:
+                    checkpoint_id = self._recover_commit(pending.commit)
+        except (FencedOut, LeaseLost, DatabaseError) as exc:
+            # Answered, and not with a checkpoint: the step that ran ahead is void.
+            self.inflight = None
+            telemetry.end_commit(pending.span, exc)
+            raise
+        except BaseException:
+            pending.interrupted = True
+            raise
+        self.inflight = None
+        self._committed(pending, checkpoint_id)
+
+    def _settle_before_leaving(self) -> None:
+        """``_settle`` on the way out of a step that raised: a commit that failed outranks
+        the step's exception, except the process's own exit, which always goes on."""
+        if self.inflight is None:
+            return
+        leaving = sys.exc_info()[1]
+        try:
+            self._settle()
+        except (FencedOut, LeaseLost):
+            if isinstance(leaving, SystemExit | KeyboardInterrupt):
+                return
+            raise
+
+    def _poll_answer(self) -> None:
+        """Note when the answer of the commit in flight arrived, if it has, without waiting."""
+        pending = self.inflight
+        if pending is None or pending.answered_at is not None or pending.interrupted:
+            return
+        try:
+            if checkpoints.step_ready():
+                pending.answered_at = time.perf_counter()
+        except DB_DOWN:
+            pass  # the channel is closed; settling finds out what happened
+
+    def _settled_base(self) -> int:
+        """For the next step's context: settle, then the checkpoint its operations hang from."""
+        self._settle()
+        if self.base_id is None:  # that commit failed, and this step's outcome with it
+            raise LeaseLost("the previous step's commit did not land")
+        return self.base_id
+
+    def _committed(self, pending: InFlight, checkpoint_id: int) -> None:
+        answered_at = pending.answered_at or time.perf_counter()
+        self._record_latency(answered_at - pending.sent_at)
+        telemetry.end_commit(pending.span)
+        if self.head is not None and self.head.seq == pending.seq:
+            self.head.id = checkpoint_id
+        if self.base_id is None:
+            self.base_id = checkpoint_id
+        if pending.snapshot_bytes is not None:
+            self.snapshots.submit(checkpoint_id, pending.snapshot_bytes)
+        if self.failed_commits:
+            self._report_failed_commits(pending.seq)
 
     def _step_done(self, step: str, next_step: str) -> None:
         """A step returned: checkpoint it, or at the periodic level keep it in memory until
@@ -398,7 +518,7 @@ class Execution:
                 self.start_bytes = self.boundary_bytes
                 self.pc = next_step
                 return
-        self._commit(step, next_step)
+        self._commit(step, next_step, ahead=bool(next_step) and not self.periodic)
         self.pc = next_step
         self._new_identity(self.head.id, self.head.seq)
 
@@ -426,10 +546,16 @@ class Execution:
         """Run one step and commit it. Returns None to go on with the next step, ``_AGAIN``
         to run this step again from its base, or the outcome that ends the execution."""
         try:
-            with step_deadline(self.agent.step_timeout, step):
-                returned = fn(self.live, ctx)
-            next_step = self.agent.successor(step, returned)
-            self._step_done(step, next_step)
+            try:
+                with step_deadline(self.agent.step_timeout, step):
+                    returned = fn(self.live, ctx)
+                next_step = self.agent.successor(step, returned)
+                self._step_done(step, next_step)
+            except BaseException:
+                # However this step ended, the previous step's commit is answered first: if
+                # it failed, that failure is the outcome (this step only ran ahead of it).
+                self._settle_before_leaving()
+                raise
         except Suspend as exc:
             telemetry.note("suspended", reason=exc.suspension.reason, detail=exc.suspension.detail)
             outcome = self._suspend(exc.suspension)
@@ -447,6 +573,10 @@ class Execution:
             self.db_errors += 1
             if self.db_errors > 5:  # not an outage but an error that repeats: back off
                 return self._retry(step, exc)
+            if self.base_id is None:
+                # The commit sent ahead failed with the database: whether it landed is for
+                # the next execution to find out, from what the database holds.
+                return Outcome.LOST
             if not self._wait_for_database() or not self._still_ours():
                 return Outcome.LOST
             return _AGAIN
@@ -506,7 +636,16 @@ class Execution:
 
     # --- committing -----------------------------------------------------------------------------
 
-    def _commit(self, step: str, next_step: str, replay: tuple[int, str] | None = None) -> None:
+    def _commit(
+        self,
+        step: str,
+        next_step: str,
+        replay: tuple[int, str] | None = None,
+        ahead: bool = False,
+    ) -> None:
+        """Checkpoint the live state. ``ahead``: send the commit and return before its
+        answer, which ``_settle`` takes (the head's id is unknown until then)."""
+        self._poll_answer()
         agent, head = self.agent, self.head
         live = self.live
         if not isinstance(live, dict):
@@ -567,6 +706,7 @@ class Execution:
         inline = snapshot_now and (
             self.upgraded_from is not None or len(new_bytes) <= checkpoints.INLINE_SNAPSHOT_BYTES
         )
+        self._settle()  # the commit in flight, if any, is this one's parent
         commit = StepCommit(
             run_id=self.run_id,
             token=self.token,
@@ -593,13 +733,32 @@ class Execution:
             replay_base_id=replay[0] if replay else None,
             replay_counters=replay[1] if replay else "",
         )
-        started = time.perf_counter()
-        with telemetry.commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline):
-            checkpoint_id = self._commit_with_recovery(commit)
-        elapsed = time.perf_counter() - started
-        self.prev_commit_us = int(elapsed * 1_000_000)
-        telemetry.record_commit(agent.name, elapsed)
-        self.latency_unreported = True
+        if ahead and checkpoints.can_send_ahead(commit):
+            span = telemetry.start_commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline)
+            try:
+                sent_at = time.perf_counter()
+                checkpoints.send_step(commit)
+            except DB_DOWN:
+                # Nothing may have reached the server: the usual recovery decides.
+                telemetry.end_commit(span)
+                self.inflight = None
+                checkpoint_id = self._recover_commit(commit)
+                self._record_latency(time.perf_counter() - sent_at)
+                self._report_failed_commits(seq)
+            else:
+                self.inflight = InFlight(
+                    commit=commit,
+                    seq=seq,
+                    sent_at=sent_at,
+                    span=span,
+                    snapshot_bytes=new_bytes if snapshot_now and not inline else None,
+                )
+                checkpoint_id = None
+        else:
+            started = time.perf_counter()
+            with telemetry.commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline):
+                checkpoint_id = self._commit_with_recovery(commit)
+            self._record_latency(time.perf_counter() - started)
         self.pristine = pristine
         self.data = new_bytes
         self.start_bytes = new_bytes
@@ -620,10 +779,16 @@ class Execution:
         # The first checkpoint after a schema upgrade is a snapshot (written inline above).
         self.upgraded_from = None
         if snapshot_now:
-            if not inline:
+            if not inline and checkpoint_id is not None:
                 self.snapshots.submit(checkpoint_id, new_bytes)
             self.head.delta_run = 0
-        fault("after_commit", run=self.run_id, step=step, seq=seq)
+        if checkpoint_id is not None:
+            fault("after_commit", run=self.run_id, step=step, seq=seq)
+
+    def _record_latency(self, seconds: float) -> None:
+        self.prev_commit_us = int(seconds * 1_000_000)
+        telemetry.record_commit(self.agent.name, seconds)
+        self.latency_unreported = True
 
     def _encode(self, live: dict, step: str) -> bytes:
         what = f"state after step {step!r}"
@@ -655,39 +820,66 @@ class Execution:
 
     def _commit_with_recovery(self, commit: StepCommit) -> int:
         """Commit; if the connection drops during COMMIT, find out whether it happened."""
+        try:
+            checkpoint_id = checkpoints.commit_step(commit)
+        except FencedOut as exc:
+            log.warning("%s", exc)
+            raise
+        except DB_DOWN:
+            checkpoint_id = self._recover_commit(commit)
+        if self.failed_commits:
+            self._report_failed_commits(commit.head.seq + 1)
+        return checkpoint_id
+
+    def _recover_commit(self, commit: StepCommit, failed: bool = True) -> int:
+        """The connection failed during this commit: wait for the database, then look for
+        the commit's id; if it is not there and the run is still ours, commit again."""
         while True:
+            if failed:
+                self.failed_commits += 1
+                telemetry.count("commit_failures")
+            failed = True
+            if not self._wait_for_database():
+                raise LeaseLost("the database stayed unreachable") from None
+            found = checkpoints.committed_id(self.run_id, commit.commit_id)
+            if found is not None:
+                return found
+            if not self._still_ours(commit.head.seq):
+                raise LeaseLost("the lease expired while the database was away") from None
             try:
-                checkpoint_id = checkpoints.commit_step(commit)
-                break
+                return checkpoints.commit_step(commit)
             except FencedOut as exc:
+                # Fenced by this very commit, sent earlier and finished meanwhile?
+                found = checkpoints.committed_id(self.run_id, commit.commit_id)
+                if found is not None:
+                    return found
                 log.warning("%s", exc)
                 raise
             except DB_DOWN:
-                self.failed_commits += 1
-                telemetry.count("commit_failures")
-                if not self._wait_for_database():
-                    raise LeaseLost("the database stayed unreachable") from None
-                found = checkpoints.committed_id(self.run_id, commit.commit_id)
-                if found is not None:
-                    checkpoint_id = found
-                    break
-                if not self._still_ours():
-                    raise LeaseLost("the lease expired while the database was away") from None
-        if self.failed_commits:
-            Event.objects.create(
-                run_id=self.run_id,
-                kind=EventKind.COMMIT_FAILED,
-                seq=commit.head.seq + 1,
-                worker=self.worker,
-                data=canonical.dumps({"failed_commits": self.failed_commits}).decode(),
-            )
-            self.failed_commits = 0
-        return checkpoint_id
+                continue
+
+    def _report_failed_commits(self, seq: int) -> None:
+        Event.objects.create(
+            run_id=self.run_id,
+            kind=EventKind.COMMIT_FAILED,
+            seq=seq,
+            worker=self.worker,
+            data=canonical.dumps({"failed_commits": self.failed_commits}).decode(),
+        )
+        self.failed_commits = 0
 
     def _wait_for_database(self) -> bool:
         """Poll until the database answers again (True) or the wait is too long (False)."""
         give_up = time.monotonic() + float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
         delay = 0.05
+        try:
+            # Only the commit's own session may have failed: this one (and the advisory
+            # lock it holds on the run) is kept if it still answers.
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1")
+            return True
+        except DB_DOWN:
+            pass
         while time.monotonic() < give_up:
             connection.close()
             try:
@@ -700,14 +892,16 @@ class Execution:
         connection.close()
         return False
 
-    def _still_ours(self) -> bool:
+    def _still_ours(self, head_seq: int | None = None) -> bool:
         """After the database was away: the lease is still ours, and the head we hold in
         memory is still the run's. A server that crashed loses the commits it had not
         flushed yet (the relaxed level): continuing from memory would build on checkpoints
         that are gone. Then this execution ends, and the next one starts from what survived."""
         ours = Run.objects.filter(pk=self.run_id, lease_token=self.token)
-        if self.head is not None:
-            ours = ours.filter(head_seq=self.head.seq)
+        if head_seq is None and self.head is not None:
+            head_seq = self.head.seq
+        if head_seq is not None:
+            ours = ours.filter(head_seq=head_seq)
         return ours.exists()
 
     # --- the ways an execution ends -------------------------------------------------------------

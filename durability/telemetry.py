@@ -192,14 +192,35 @@ def commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool):
     return tracer().start_as_current_span(
         "checkpoint commit",
         kind=SpanKind.CLIENT,
-        attributes={
-            "durability.run.id": str(run_id),
-            "durability.checkpoint.seq": seq,
-            "durability.checkpoint.kind": "snapshot" if snapshot else "delta",
-            "durability.checkpoint.bytes": size,
-            "durability.checkpoint.delta_bytes": delta,
-        },
+        attributes=_commit_attributes(run_id, seq, size, delta, snapshot),
     )
+
+
+def _commit_attributes(run_id: Any, seq: int, size: int, delta: int, snapshot: bool) -> dict:
+    return {
+        "durability.run.id": str(run_id),
+        "durability.checkpoint.seq": seq,
+        "durability.checkpoint.kind": "snapshot" if snapshot else "delta",
+        "durability.checkpoint.bytes": size,
+        "durability.checkpoint.delta_bytes": delta,
+    }
+
+
+def start_commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool) -> Any:
+    """The span of a commit sent ahead: it ends when the worker takes the answer."""
+    if not enabled():
+        return None
+    attributes = _commit_attributes(run_id, seq, size, delta, snapshot)
+    attributes["durability.checkpoint.sent_ahead"] = True
+    return tracer().start_span("checkpoint commit", kind=SpanKind.CLIENT, attributes=attributes)
+
+
+def end_commit(span: Any, error: BaseException | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        failed(span, error)
+    span.end()
 
 
 def approval_wait(name: str, requested_at: Any, decided_at: Any, approved: bool) -> None:

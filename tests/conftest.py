@@ -23,6 +23,16 @@ def static_root():
     Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def commit_channels(django_db_setup):
+    # Commits sent ahead go over a connection per thread that Django does not know of: it
+    # must be gone before the test database is dropped.
+    yield
+    from durability import inflight
+
+    inflight.close_all()
+
+
 @pytest.fixture(scope="session")
 def llm_server():
     server = FakeLLM().start()

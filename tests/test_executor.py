@@ -832,6 +832,12 @@ def test_commits_the_server_lost_in_a_crash_are_not_built_on():
         if state["n"] == 3 and not crashed:
             crashed.append(True)
             run_id = ctx.run_id
+            # The previous step's commit may still be on its way (sent ahead): the crash
+            # loses it once it has landed.
+            wait_until(
+                lambda: Checkpoint.objects.filter(run_id=run_id, seq=ctx.seq).exists(),
+                what="the previous step's checkpoint",
+            )
             lost = Checkpoint.objects.filter(run_id=run_id).order_by("-seq").first()
             Event.objects.filter(run_id=run_id, seq=lost.seq).delete()
             Checkpoint.objects.filter(pk=lost.pk).delete()

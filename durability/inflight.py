@@ -1,0 +1,234 @@
+"""Sending a checkpoint's statement without waiting for its answer.
+
+A commit costs a round trip plus the server's WAL flush, and a worker that waits for it
+sits idle through both; on this kind of host the wait even grows after CPU work (the
+server's process has gone to sleep). Sending the statement, then preparing the next step's
+checkpoint while the server flushes, hides most of that wait (``bench.overhead``).
+
+What keeps it correct is the caller's rule, not this module: nothing the next step does
+may leave the process before the answer is in (see ``Execution._settle``).
+
+The statement goes over a connection of its own, one per thread, kept across executions,
+and driven through libpq's asynchronous calls: Django's connection must stay free for the
+step, since a query in flight on it would block every other use until answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import threading
+import weakref
+from typing import Any
+
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connections
+from psycopg import errors, pq
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+def numbered(sql: str) -> tuple[bytes, list[str]]:
+    """``%(name)s`` placeholders as libpq's ``$n``, and the names in their order."""
+    names: list[str] = []
+
+    def number(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    return _PLACEHOLDER.sub(number, sql).encode(), names
+
+
+def _text(value: Any) -> bytes | None:
+    # Every parameter of the statements sent here carries an explicit cast, so the server
+    # takes them all as text.
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    if isinstance(value, int | float):
+        return repr(value).encode()
+    return str(value).encode()
+
+
+class Channel:
+    """One connection, at most one statement in flight on it."""
+
+    def __init__(self) -> None:
+        self._wrapper: Any = None
+        self._raw: Any = None
+        self._prepared: dict[bytes, bytes] = {}
+        self._statements: dict[str, tuple[bytes, list[str]]] = {}
+        self.busy = False
+        self.pid = os.getpid()
+
+    @property
+    def connection(self) -> Any:
+        """The Django connection wrapper of this channel's session, if it has one; for
+        reading the session's own settings and statistics, never while a commit is in
+        flight."""
+        return self._wrapper if self._raw is not None and not self.busy else None
+
+    def _pgconn(self) -> pq.abc.PGconn:
+        if self._wrapper is None:
+            self._wrapper = connections.create_connection(DEFAULT_DB_ALIAS)
+        wrapper = self._wrapper
+        with wrapper.wrap_database_errors:
+            wrapper.ensure_connection()
+        if wrapper.connection is not self._raw:  # a new session: nothing prepared on it
+            self._raw = wrapper.connection
+            self._prepared.clear()
+            self.busy = False
+        return self._raw.pgconn
+
+    def send(self, sql: str, params: dict[str, Any]) -> None:
+        """Queue ``sql`` (written with ``%(name)s`` placeholders) and flush it to the server.
+
+        A session found dead before the statement was wholly sent is replaced once: the
+        server runs nothing it did not receive whole, so sending again cannot run it twice."""
+        if self.busy:  # an answer nobody took (an execution cut short): read it away first
+            self.discard()
+        self._drop_if_dead()
+        if sql not in self._statements:
+            self._statements[sql] = numbered(sql)
+        query, names = self._statements[sql]
+        values = [_text(params[name]) for name in names]
+        try:
+            self._send(query, values)
+        except errors.OperationalError:
+            with self._wrapper.wrap_database_errors:
+                self._send(query, values)  # a new session (the failure closed the old one)
+        self.busy = True
+
+    def _send(self, query: bytes, values: list[bytes | None]) -> None:
+        """Raises psycopg's OperationalError as it is (``send`` may try again), any other
+        database error as Django's."""
+        try:
+            pgconn = self._pgconn()
+            if getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True):
+                name = self._prepared.get(query)
+                if name is None:
+                    name = f"durability_inflight_{len(self._prepared)}".encode()
+                    self._check(pgconn.prepare(name, query))
+                    self._prepared[query] = name
+                pgconn.send_query_prepared(name, values)
+            else:
+                pgconn.send_query_params(query, values)
+            while pgconn.flush():
+                select.select([], [pgconn.socket], [])
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, errors.OperationalError):
+                raise
+            with self._wrapper.wrap_database_errors:
+                raise
+
+    def _drop_if_dead(self) -> None:
+        """A session the server ended while it sat idle (a restart, an idle timeout) has
+        left its farewell, or an end of file, on the socket: read it without waiting."""
+        if self._raw is None:
+            return
+        pgconn = self._raw.pgconn
+        try:
+            pgconn.consume_input()
+        except errors.OperationalError:
+            self.close()
+            return
+        if pgconn.status != pq.ConnStatus.OK:
+            self.close()
+
+    def ready(self) -> bool:
+        """Whether the answer is in, without waiting for it."""
+        if not self.busy:
+            return True
+        pgconn = self._raw.pgconn
+        with self._wrapper.wrap_database_errors:
+            try:
+                pgconn.consume_input()
+            except BaseException:
+                self.close()
+                raise
+        return not pgconn.is_busy()
+
+    def answer(self) -> tuple | None:
+        """Wait for the statement's answer: its first row, or None if it returned none.
+        Raises Django's database errors; after any error the connection is closed."""
+        if not self.busy:
+            raise errors.OperationalError("no statement in flight on this connection")
+        pgconn = self._raw.pgconn
+        with self._wrapper.wrap_database_errors:
+            try:
+                pgconn.consume_input()
+                while pgconn.is_busy():
+                    select.select([pgconn.socket], [], [], 1.0)
+                    pgconn.consume_input()
+                result = pgconn.get_result()
+                while pgconn.get_result() is not None:
+                    pass
+                self.busy = False
+                if result is None:
+                    raise errors.OperationalError("the server sent no answer")
+                self._check(result)
+            except BaseException:
+                self.close()
+                raise
+        if result.ntuples == 0:
+            return None
+        return tuple(result.get_value(0, i) for i in range(result.nfields))
+
+    def discard(self) -> None:
+        # On an error answer() has closed the session: the next send opens a new one.
+        with contextlib.suppress(Exception):
+            self.answer()
+
+    def _check(self, result: pq.abc.PGresult) -> None:
+        if result.status == pq.ExecStatus.FATAL_ERROR:
+            raise errors.error_from_result(result, encoding="utf-8")
+
+    def close(self) -> None:
+        self.busy = False
+        self._raw = None
+        if self._wrapper is not None:
+            with contextlib.suppress(Exception):  # already broken: nothing left to release
+                self._wrapper.close()
+
+
+class _PerThread(threading.local):
+    channel: Channel | None = None
+    pid: int = 0
+
+
+_local = _PerThread()
+_all: weakref.WeakSet[Channel] = weakref.WeakSet()
+_all_lock = threading.Lock()
+
+
+def channel() -> Channel:
+    """This thread's channel. A forked child never uses (or closes) its parent's session."""
+    pid = os.getpid()
+    if _local.channel is None or _local.pid != pid:
+        _local.channel = Channel()
+        _local.pid = pid
+        with _all_lock:
+            _all.add(_local.channel)
+    return _local.channel
+
+
+def close_all() -> None:
+    """Close every thread's session (before dropping a test database, or at shutdown)."""
+    pid = os.getpid()
+    with _all_lock:
+        channels = list(_all)
+    for ch in channels:
+        raw = ch._raw
+        ch.busy = False
+        ch._raw = None
+        if raw is not None and ch.pid == pid:
+            with contextlib.suppress(Exception):
+                raw.close()

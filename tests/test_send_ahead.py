@@ -1,0 +1,195 @@
+"""Commits sent ahead: a step's checkpoint goes to PostgreSQL and the next step starts
+before the answer is in. These tests hold that answer back with a row lock taken by
+another session, so the next step really runs while its base commit is in flight, and
+check that nothing it does leaves the process before that commit is durable."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from django.db import connection, connections
+
+from durability import END, Agent, operations, registry
+from durability.executor import Outcome, execute
+from durability.models import Checkpoint, Event, EventKind, JournalEntry, RunStatus
+from durability.testing import drive, state_of
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        connection.vendor != "postgresql", reason="commits are sent ahead on PostgreSQL only"
+    ),
+]
+
+CALLS: Counter = Counter()
+
+
+@pytest.fixture(autouse=True)
+def _reset_calls():
+    CALLS.clear()
+
+
+@pytest.fixture
+def side():
+    """Another session, in a transaction of its own."""
+    wrapper = connections.create_connection("default")
+    wrapper.ensure_connection()
+    raw = wrapper.connection
+    raw.autocommit = False
+    yield raw
+    raw.rollback()
+    wrapper.close()
+
+
+def tool(name: str) -> dict:
+    CALLS[name] += 1
+    return {"tool": name}
+
+
+def agent(name: str) -> Agent:
+    registry.unregister(name)
+    return Agent(name)
+
+
+def lock_run(side, run_id) -> None:
+    side.execute("SELECT 1 FROM durability_run WHERE id = %s FOR UPDATE", [run_id])
+
+
+def wait_for_blocked_commit(side) -> int:
+    """The pid of the session whose commit waits for the row lock ``side`` holds."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        row = side.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        ).fetchone()
+        if row:
+            return row[0]
+        time.sleep(0.01)
+    raise AssertionError("no commit waited for the run's row lock")
+
+
+def test_the_next_step_runs_while_its_base_commit_is_in_flight(side):
+    a = agent("x-ahead")
+    seen: dict = {}
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        lock_run(side, ctx.run_id)
+        return "second"
+
+    @a.step()
+    def second(state, ctx):
+        # Runs although the first step's commit cannot finish yet.
+        seen["blocked"] = wait_for_blocked_commit(side)
+        seen["committed_before_call"] = Checkpoint.objects.filter(run_id=ctx.run_id, seq=1).exists()
+        side.rollback()  # let it through
+        ctx.call("after", tool, "after")
+        seen["committed_at_call"] = Checkpoint.objects.filter(run_id=ctx.run_id, seq=1).exists()
+        state["n"] += 1
+        return END
+
+    run = operations.start("x-ahead", {})
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert seen["blocked"] and seen["committed_before_call"] is False
+    assert seen["committed_at_call"] is True
+    assert CALLS["after"] == 1
+    # The call hangs from the checkpoint the step started from, as if nothing ran ahead.
+    entry = JournalEntry.objects.get(run=run, key="after")
+    assert entry.base_id == Checkpoint.objects.get(run=run, seq=1).id
+    assert state_of(run.id) == {"n": 2}
+    assert operations.verify(run.id)[0].ok
+    latencies = list(
+        Event.objects.filter(run=run, kind=EventKind.CHECKPOINT)
+        .exclude(commit_us=None)
+        .values_list("commit_us", flat=True)
+    )
+    assert latencies and all(us > 0 for us in latencies)
+
+
+def test_a_commit_fenced_in_flight_stops_the_step_that_ran_ahead_before_its_call(side):
+    a = agent("x-ahead-fenced")
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        lock_run(side, ctx.run_id)
+        return "second"
+
+    @a.step()
+    def second(state, ctx):
+        wait_for_blocked_commit(side)
+        # Another worker takes the run while the first step's commit waits.
+        side.execute(
+            "UPDATE durability_run SET lease_token = lease_token + 1 WHERE id = %s", [ctx.run_id]
+        )
+        side.commit()
+        ctx.call("never", tool, "never")
+        return END
+
+    run = operations.start("x-ahead-fenced", {})
+    assert execute(run.id, worker="test-worker") == Outcome.LOST
+    assert CALLS["never"] == 0
+    assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0]
+    assert not JournalEntry.objects.filter(run=run).exists()
+
+
+def test_a_commit_whose_session_dies_in_flight_is_looked_up_and_sent_again(side):
+    a = agent("x-ahead-killed")
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        lock_run(side, ctx.run_id)
+        return "second"
+
+    @a.step()
+    def second(state, ctx):
+        pid = wait_for_blocked_commit(side)
+        side.execute("SELECT pg_terminate_backend(%s)", [pid])
+        side.rollback()
+        ctx.call("once", tool, "once")
+        state["n"] += 1
+        return END
+
+    run = operations.start("x-ahead-killed", {})
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert CALLS["once"] == 1
+    assert list(
+        Checkpoint.objects.filter(run=run).order_by("seq").values_list("seq", flat=True)
+    ) == [
+        0,
+        1,
+        2,
+    ]
+    assert state_of(run.id) == {"n": 2}
+    assert operations.verify(run.id)[0].ok
+    failed = Event.objects.get(run=run, kind=EventKind.COMMIT_FAILED)
+    assert failed.seq == 1
+
+
+def test_a_step_that_raises_waits_for_the_commit_before_its_failure_is_written(side):
+    a = agent("x-ahead-raises")
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        lock_run(side, ctx.run_id)
+        return "second"
+
+    @a.step()
+    def second(state, ctx):
+        wait_for_blocked_commit(side)
+        side.rollback()
+        raise ValueError("permanent")
+
+    run = operations.start("x-ahead-raises", {})
+    done = drive(run.id)
+    assert done.status == RunStatus.FAILED and "permanent" in done.error
+    # The failure belongs to the second step: the first one's checkpoint is there.
+    assert done.head_seq == 1
+    assert Checkpoint.objects.filter(run=run, seq=1).exists()
+    assert operations.verify(run.id)[0].ok
