@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
 from psycopg import errors, pq
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
@@ -41,6 +41,14 @@ def numbered(sql: str) -> tuple[bytes, list[str]]:
         return f"${names.index(name) + 1}"
 
     return _PLACEHOLDER.sub(number, sql).encode(), names
+
+
+def _wait(fd: int, events: int) -> None:
+    """Until ``fd`` is ready, or a second has passed (poll, not select: a worker's
+    descriptors may number over 1024)."""
+    poller = select.poll()
+    poller.register(fd, events | select.POLLERR | select.POLLHUP)
+    poller.poll(1000)
 
 
 def _text(value: Any) -> bytes | None:
@@ -121,7 +129,7 @@ class Channel:
             else:
                 pgconn.send_query_params(query, values)
             while pgconn.flush():
-                select.select([], [pgconn.socket], [])
+                _wait(pgconn.socket, select.POLLOUT)
         except BaseException as exc:
             self.close()
             if isinstance(exc, errors.OperationalError):
@@ -135,8 +143,14 @@ class Channel:
         if self._raw is None:
             return
         pgconn = self._raw.pgconn
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
         try:
-            pgconn.consume_input()
+            # The farewell and the end of file may take a read each.
+            for _ in range(3):
+                if not poller.poll(0):
+                    break
+                pgconn.consume_input()
         except errors.OperationalError:
             self.close()
             return
@@ -159,14 +173,14 @@ class Channel:
     def answer(self) -> tuple | None:
         """Wait for the statement's answer: its first row, or None if it returned none.
         Raises Django's database errors; after any error the connection is closed."""
-        if not self.busy:
-            raise errors.OperationalError("no statement in flight on this connection")
+        if not self.busy:  # closed by an error since it was sent: its fate is unknown here
+            raise OperationalError("the session of the statement in flight was closed")
         pgconn = self._raw.pgconn
         with self._wrapper.wrap_database_errors:
             try:
                 pgconn.consume_input()
                 while pgconn.is_busy():
-                    select.select([pgconn.socket], [], [], 1.0)
+                    _wait(pgconn.socket, select.POLLIN)
                     pgconn.consume_input()
                 result = pgconn.get_result()
                 while pgconn.get_result() is not None:

@@ -193,3 +193,30 @@ def test_a_step_that_raises_waits_for_the_commit_before_its_failure_is_written(s
     assert done.head_seq == 1
     assert Checkpoint.objects.filter(run=run, seq=1).exists()
     assert operations.verify(run.id)[0].ok
+
+
+def test_a_commit_session_ended_while_idle_is_replaced_without_a_failed_commit(side):
+    from durability import inflight
+
+    def step(state, ctx):
+        state["n"] = state.get("n", 0) + 1
+        return "step" if state["n"] < 3 else END
+
+    a = agent("x-ahead-idle")
+    a.step(start=True)(step)
+    first = operations.start("x-ahead-idle", {})
+    assert drive(first.id).status == RunStatus.SUCCEEDED
+    pid = inflight.channel().connection.connection.info.backend_pid
+    side.execute("SELECT pg_terminate_backend(%s)", [pid])
+    side.commit()
+    deadline = time.monotonic() + 10
+    while side.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone():
+        side.commit()
+        assert time.monotonic() < deadline, "the session did not end"
+        time.sleep(0.01)
+
+    second = operations.start("x-ahead-idle", {})
+    assert drive(second.id).status == RunStatus.SUCCEEDED
+    assert state_of(second.id) == {"n": 3}
+    assert inflight.channel().connection.connection.info.backend_pid != pid
+    assert not Event.objects.filter(run=second, kind=EventKind.COMMIT_FAILED).exists()
