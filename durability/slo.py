@@ -312,7 +312,8 @@ def _commit_latency(span: Span, agent: str | None, target_ms: float) -> Indicato
         budget_left(total, bad, 0.01),
         series,
         extra,
-        "time to commit one checkpoint (fenced update, checkpoint, mutations, events)",
+        "time to commit one checkpoint (fenced update, checkpoint, mutations, events),"
+        " from sending it to the worker seeing the answer",
     )
 
 
