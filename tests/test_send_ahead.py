@@ -57,6 +57,21 @@ def lock_run(side, run_id) -> None:
     side.execute("SELECT 1 FROM durability_run WHERE id = %s FOR UPDATE", [run_id])
 
 
+def locked_first(name: str, side, second) -> Agent:
+    """An agent whose first step leaves the run's row locked by ``side``: that step's
+    commit, sent ahead, waits for the lock while ``second`` runs."""
+    a = agent(name)
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        lock_run(side, ctx.run_id)
+        return "second"
+
+    a.step()(second)
+    return a
+
+
 def wait_for_blocked_commit(side) -> int:
     """The pid of the session whose commit waits for the row lock ``side`` holds."""
     deadline = time.monotonic() + 10
@@ -72,16 +87,8 @@ def wait_for_blocked_commit(side) -> int:
 
 
 def test_the_next_step_runs_while_its_base_commit_is_in_flight(side):
-    a = agent("x-ahead")
     seen: dict = {}
 
-    @a.step(start=True)
-    def first(state, ctx):
-        state["n"] = 1
-        lock_run(side, ctx.run_id)
-        return "second"
-
-    @a.step()
     def second(state, ctx):
         # Runs although the first step's commit cannot finish yet.
         seen["blocked"] = wait_for_blocked_commit(side)
@@ -92,6 +99,7 @@ def test_the_next_step_runs_while_its_base_commit_is_in_flight(side):
         state["n"] += 1
         return END
 
+    locked_first("x-ahead", side, second)
     run = operations.start("x-ahead", {})
     assert drive(run.id).status == RunStatus.SUCCEEDED
     assert seen["blocked"] and seen["committed_before_call"] is False
@@ -111,15 +119,6 @@ def test_the_next_step_runs_while_its_base_commit_is_in_flight(side):
 
 
 def test_a_commit_fenced_in_flight_stops_the_step_that_ran_ahead_before_its_call(side):
-    a = agent("x-ahead-fenced")
-
-    @a.step(start=True)
-    def first(state, ctx):
-        state["n"] = 1
-        lock_run(side, ctx.run_id)
-        return "second"
-
-    @a.step()
     def second(state, ctx):
         wait_for_blocked_commit(side)
         # Another worker takes the run while the first step's commit waits.
@@ -130,6 +129,7 @@ def test_a_commit_fenced_in_flight_stops_the_step_that_ran_ahead_before_its_call
         ctx.call("never", tool, "never")
         return END
 
+    locked_first("x-ahead-fenced", side, second)
     run = operations.start("x-ahead-fenced", {})
     assert execute(run.id, worker="test-worker") == Outcome.LOST
     assert CALLS["never"] == 0
@@ -138,15 +138,6 @@ def test_a_commit_fenced_in_flight_stops_the_step_that_ran_ahead_before_its_call
 
 
 def test_a_commit_whose_session_dies_in_flight_is_looked_up_and_sent_again(side):
-    a = agent("x-ahead-killed")
-
-    @a.step(start=True)
-    def first(state, ctx):
-        state["n"] = 1
-        lock_run(side, ctx.run_id)
-        return "second"
-
-    @a.step()
     def second(state, ctx):
         pid = wait_for_blocked_commit(side)
         side.execute("SELECT pg_terminate_backend(%s)", [pid])
@@ -155,16 +146,12 @@ def test_a_commit_whose_session_dies_in_flight_is_looked_up_and_sent_again(side)
         state["n"] += 1
         return END
 
+    locked_first("x-ahead-killed", side, second)
     run = operations.start("x-ahead-killed", {})
     assert drive(run.id).status == RunStatus.SUCCEEDED
     assert CALLS["once"] == 1
-    assert list(
-        Checkpoint.objects.filter(run=run).order_by("seq").values_list("seq", flat=True)
-    ) == [
-        0,
-        1,
-        2,
-    ]
+    seqs = Checkpoint.objects.filter(run=run).order_by("seq").values_list("seq", flat=True)
+    assert list(seqs) == [0, 1, 2]
     assert state_of(run.id) == {"n": 2}
     assert operations.verify(run.id)[0].ok
     failed = Event.objects.get(run=run, kind=EventKind.COMMIT_FAILED)
@@ -172,20 +159,12 @@ def test_a_commit_whose_session_dies_in_flight_is_looked_up_and_sent_again(side)
 
 
 def test_a_step_that_raises_waits_for_the_commit_before_its_failure_is_written(side):
-    a = agent("x-ahead-raises")
-
-    @a.step(start=True)
-    def first(state, ctx):
-        state["n"] = 1
-        lock_run(side, ctx.run_id)
-        return "second"
-
-    @a.step()
     def second(state, ctx):
         wait_for_blocked_commit(side)
         side.rollback()
         raise ValueError("permanent")
 
+    locked_first("x-ahead-raises", side, second)
     run = operations.start("x-ahead-raises", {})
     done = drive(run.id)
     assert done.status == RunStatus.FAILED and "permanent" in done.error
