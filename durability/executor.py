@@ -485,8 +485,14 @@ class Execution:
             pass  # the channel is closed; settling finds out what happened
 
     def _settled_base(self) -> int:
-        """For the next step's context: settle, then the checkpoint its operations hang from."""
-        self._settle()
+        """For the next step's context: settle, then the checkpoint its operations hang from.
+
+        Raised inside the step, whatever ended the commit leaves as ``LeaseLost``: a step
+        that catches ``Exception`` around a call must not carry on past its void base."""
+        try:
+            self._settle()
+        except (FencedOut, DatabaseError) as exc:
+            raise LeaseLost(f"the previous step's commit failed: {exc}") from None
         if self.base_id is None:  # that commit failed, and this step's outcome with it
             raise LeaseLost("the previous step's commit did not land")
         return self.base_id

@@ -137,6 +137,29 @@ def test_a_commit_fenced_in_flight_stops_the_step_that_ran_ahead_before_its_call
     assert not JournalEntry.objects.filter(run=run).exists()
 
 
+def test_a_step_that_catches_everything_cannot_go_on_past_a_fenced_commit(side):
+    seen: list[str] = []
+
+    def second(state, ctx):
+        wait_for_blocked_commit(side)
+        side.execute(
+            "UPDATE durability_run SET lease_token = lease_token + 1 WHERE id = %s", [ctx.run_id]
+        )
+        side.commit()
+        try:
+            ctx.call("never", tool, "never")
+        except Exception as exc:  # an agent's blanket handler
+            seen.append(f"swallowed {type(exc).__name__}")
+        seen.append("went on")
+        return END
+
+    locked_first("x-ahead-swallow", side, second)
+    run = operations.start("x-ahead-swallow", {})
+    assert execute(run.id, worker="test-worker") == Outcome.LOST
+    assert seen == [] and CALLS["never"] == 0
+    assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0]
+
+
 def test_a_commit_whose_session_dies_in_flight_is_looked_up_and_sent_again(side):
     def second(state, ctx):
         pid = wait_for_blocked_commit(side)
