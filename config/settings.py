@@ -79,6 +79,16 @@ TEMPLATES = [
 ]
 
 
+PG_TCP_DEFAULTS = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,  # milliseconds
+}
+
+
 def _database() -> dict:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
     db = dj_database_url.parse(url, conn_max_age=env_int("CONN_MAX_AGE", 60))
@@ -95,6 +105,16 @@ def _database() -> dict:
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
             " PRAGMA foreign_keys=ON;",
         }
+    if db["ENGINE"] == "django.db.backends.postgresql":
+        # A server that vanishes without a reset (a partition, a host powered off) must not
+        # hold a worker until the kernel gives up on the socket, about 15 minutes: keepalives
+        # find a silent peer of a session waiting for an answer, tcp_user_timeout one that
+        # never acknowledges what was sent, connect_timeout one that never answers a
+        # connection. Then the lease, the fencing and the sweeper take over as for a crash.
+        # Values given in DATABASE_URL's query win.
+        options = db.setdefault("OPTIONS", {})
+        for name, value in PG_TCP_DEFAULTS.items():
+            options.setdefault(name, value)
     db.setdefault("TEST", {})
     if env_str("DATABASE_TEST_NAME", ""):
         db["TEST"]["NAME"] = env_str("DATABASE_TEST_NAME")

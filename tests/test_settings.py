@@ -66,6 +66,45 @@ def test_a_server_database_without_secret_key_refuses_to_start(tmp_path):
     assert ast.literal_eval(done.stdout)[1] is False
 
 
+def test_server_sessions_notice_a_silent_server(tmp_path):
+    """TCP keepalives and timeouts on every PostgreSQL session; the URL's own values win."""
+    probe = (
+        "import os, django; os.environ['DJANGO_SETTINGS_MODULE'] = 'config.settings';"
+        "django.setup(); from django.conf import settings as s;"
+        "print(repr(s.DATABASES['default']['OPTIONS']))"
+    )
+
+    def options(url: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=ROOT,
+            env={
+                "PATH": os.environ["PATH"],
+                "DURABILITY_VAR_DIR": str(tmp_path),
+                "DATABASE_URL": url,
+                "SECRET_KEY": "k" * 50,
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return ast.literal_eval(done.stdout)
+
+    base = "postgres://postgres@127.0.0.1:5432/durability_nowhere"
+    got = options(base)
+    assert got["keepalives"] == 1 and got["keepalives_idle"] == 30
+    assert got["tcp_user_timeout"] == 60_000 and got["connect_timeout"] == 10
+    got = options(base + "?keepalives_idle=5&sslmode=disable")
+    assert got["keepalives_idle"] == 5 and got["sslmode"] == "disable"
+    assert got["keepalives_count"] == 3
+    # libpq takes them: a session opens with these options.
+    import psycopg
+
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", **options(base)) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
 def test_behind_a_tls_proxy(tmp_path):
     done = settings_with(
         tmp_path,
