@@ -98,11 +98,23 @@ def test_server_sessions_notice_a_silent_server(tmp_path):
     got = options(base + "?keepalives_idle=5&sslmode=disable")
     assert got["keepalives_idle"] == 5 and got["sslmode"] == "disable"
     assert got["keepalives_count"] == 3
-    # libpq takes them: a session opens with these options.
-    import psycopg
 
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", **options(base)) as conn:
-        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+@pytest.mark.django_db
+def test_the_sessions_of_this_process_and_its_commit_channel_have_them():
+    from django.db import connection
+
+    from durability import inflight
+
+    if connection.vendor != "postgresql":
+        pytest.skip("TCP options are PostgreSQL's")
+    connection.ensure_connection()
+    ch = inflight.channel()
+    ch._pgconn()  # opens the session commits are sent ahead on
+    for session in (connection.connection, ch.connection.connection):
+        params = session.info.get_parameters()  # what libpq opened the session with
+        assert params["keepalives"] == "1" and params["keepalives_idle"] == "30"
+        assert params["tcp_user_timeout"] == "60000" and params["connect_timeout"] == "10"
 
 
 def test_behind_a_tls_proxy(tmp_path):
