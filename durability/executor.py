@@ -241,6 +241,21 @@ def step_deadline(seconds: float | None, step: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextmanager
+def _timeout_paused() -> Iterator[None]:
+    """Stop the step's timer (``step_deadline``) for the duration, then let it go on with
+    the time it had left."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        yield
+    finally:
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+
+
 class Execution:
     def __init__(
         self,
@@ -299,7 +314,8 @@ class Execution:
         if self.inflight is not None:
             try:
                 self._settle()
-            except Exception as exc:  # the outcome is decided; a commit that failed wrote nothing
+            except (Exception, LeaseLost) as exc:
+                # The outcome is decided; a commit that failed wrote nothing.
                 log.warning("run %s: the last commit sent ahead did not land: %s", self.run_id, exc)
         self.snapshots.close()
         if self.latency_unreported and self.prev_commit_us is not None:
@@ -356,10 +372,8 @@ class Execution:
             if self.keeper.lost.is_set():
                 return Outcome.LOST
             if self.should_stop() or time.monotonic() > self.deadline:
-                try:
-                    self._settle()
-                except (FencedOut, LeaseLost):
-                    return Outcome.LOST
+                if (lost := self._settle_for_exit()) is not None:
+                    return lost
                 if self.pending:
                     # Between steps, the live state is the period's: keep it before leaving.
                     try:
@@ -370,10 +384,8 @@ class Execution:
                 return self._yield()
             fn = self.agent.steps.get(step)
             if fn is None:
-                try:
-                    self._settle()
-                except (FencedOut, LeaseLost):
-                    return Outcome.LOST
+                if (lost := self._settle_for_exit()) is not None:
+                    return lost
                 return self._fail(
                     StepError(
                         f"agent {self.agent.name}@{self.agent.version} has no step {step!r}",
@@ -400,7 +412,10 @@ class Execution:
             )
             ctx.secrets = self.secrets
             fault("before_step", run=self.run_id, step=step, seq=self.head.seq)
-            self._poll_answer()
+            try:
+                self._poll_answer()
+            except Abandon:
+                return self._settle_for_exit() or self._yield()
             identity_before = self.identity
             with telemetry.step(step, self.head.seq, self.attempts) as span:
                 outcome = self._attempt(step, fn, ctx, span)
@@ -460,6 +475,19 @@ class Execution:
         self.inflight = None
         self._committed(pending, checkpoint_id)
 
+    def _settle_for_exit(self) -> Outcome | None:
+        """Settle where the loop ends the execution itself: LOST if the commit failed. The
+        end of the shutdown grace period (``Abandon``) cutting the wait short does not skip
+        the hand-back: the commit is then recovered without the channel."""
+        try:
+            try:
+                self._settle()
+            except Abandon:
+                self._settle()
+        except (FencedOut, LeaseLost, DatabaseError):
+            return Outcome.LOST
+        return None
+
     def _settle_before_leaving(self) -> None:
         """``_settle`` on the way out of a step that raised: a commit that failed outranks
         the step's exception, except the process's own exit, which always goes on."""
@@ -483,6 +511,9 @@ class Execution:
                 pending.answered_at = time.perf_counter()
         except DB_DOWN:
             pass  # the channel is closed; settling finds out what happened
+        except BaseException:
+            pending.interrupted = True  # a signal: the channel was closed under the commit
+            raise
 
     def _settled_base(self) -> int:
         """For the next step's context: settle, then the checkpoint its operations hang from.
@@ -490,7 +521,8 @@ class Execution:
         Raised inside the step, whatever ended the commit leaves as ``LeaseLost``: a step
         that catches ``Exception`` around a call must not carry on past its void base."""
         try:
-            self._settle()
+            with _timeout_paused():  # the wait is the previous step's, not this one's
+                self._settle()
         except (FencedOut, DatabaseError) as exc:
             raise LeaseLost(f"the previous step's commit failed: {exc}") from None
         if self.base_id is None:  # that commit failed, and this step's outcome with it
@@ -665,7 +697,9 @@ class Execution:
         ops = diff.diff(self.pristine, live)
         limit = blobs.threshold()
         if any("value" in op and blobs.needs_offload(op["value"], limit) for op in ops):
-            # Large values go to the blob store before the checkpoint that refers to them.
+            # Large values go to the blob store before the checkpoint that refers to them,
+            # and after the commit in flight: nothing leaves for a step that may be void.
+            self._settle()
             blobs.offload(live, limit)
             new_bytes = self._encode(live, step)
             ops = diff.diff(self.pristine, live)
@@ -851,6 +885,11 @@ class Execution:
             if found is not None:
                 return found
             if not self._still_ours(commit.head.seq):
+                # This very commit, still running on the server when it was looked up,
+                # may have moved the head since.
+                found = checkpoints.committed_id(self.run_id, commit.commit_id)
+                if found is not None:
+                    return found
                 raise LeaseLost("the lease expired while the database was away") from None
             try:
                 return checkpoints.commit_step(commit)

@@ -182,13 +182,19 @@ class Channel:
                 while pgconn.is_busy():
                     _wait(pgconn.socket, select.POLLIN)
                     pgconn.consume_input()
+                # Every result, not only the first: the statement's implicit transaction
+                # commits after its row is sent, and a failure there (a deferred
+                # constraint, a serialization failure, the session dying) comes as a
+                # second result that voids the row.
                 result = pgconn.get_result()
-                while pgconn.get_result() is not None:
-                    pass
-                self.busy = False
                 if result is None:
                     raise errors.OperationalError("the server sent no answer")
                 self._check(result)
+                while (more := pgconn.get_result()) is not None:
+                    self._check(more)
+                if pgconn.status != pq.ConnStatus.OK:
+                    raise errors.OperationalError("the session ended before its commit was done")
+                self.busy = False
             except BaseException:
                 self.close()
                 raise

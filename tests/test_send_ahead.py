@@ -5,6 +5,7 @@ check that nothing it does leaves the process before that commit is durable."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -222,3 +223,65 @@ def test_a_commit_session_ended_while_idle_is_replaced_without_a_failed_commit(s
     assert state_of(second.id) == {"n": 3}
     assert inflight.channel().connection.connection.info.backend_pid != pid
     assert not Event.objects.filter(run=second, kind=EventKind.COMMIT_FAILED).exists()
+
+
+def test_the_wait_for_the_previous_commit_is_not_charged_to_the_next_steps_timeout(side):
+    registry.unregister("x-ahead-timeout")
+    a = Agent("x-ahead-timeout", step_timeout=1.0, max_retries=0)
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        lock_run(side, ctx.run_id)  # this step's commit waits 2 s for the lock
+        threading.Timer(2.0, side.rollback).start()
+        return "second"
+
+    @a.step()
+    def second(state, ctx):
+        ctx.call("t", tool, "t")  # the step itself takes no time
+        state["n"] += 1
+        return END
+
+    run = operations.start("x-ahead-timeout", {})
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert not Event.objects.filter(run=run, kind=EventKind.RETRY_SCHEDULED).exists()
+    assert CALLS["t"] == 1
+
+
+def test_an_error_when_the_commit_commits_voids_it(request):
+    """The statement's row comes before its transaction commits: a failure then (here a
+    deferred constraint trigger) arrives after the row, and the commit did not happen."""
+    a = agent("x-ahead-deferred")
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        return "second"
+
+    @a.step()
+    def second(state, ctx):
+        ctx.call("after", tool, "after")  # must not run: its base never committed
+        return END
+
+    run = operations.start("x-ahead-deferred", {})
+    with connection.cursor() as cur:
+        cur.execute(
+            "CREATE FUNCTION x_reject() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            f" IF NEW.run_id = '{run.id}'::uuid AND NEW.seq = 1 THEN"
+            " RAISE EXCEPTION 'rejected at commit'; END IF; RETURN NULL; END $$"
+        )
+        cur.execute(
+            "CREATE CONSTRAINT TRIGGER x_reject AFTER INSERT ON durability_checkpoint"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION x_reject()"
+        )
+
+    def drop() -> None:
+        with connection.cursor() as cur:
+            cur.execute("DROP TRIGGER IF EXISTS x_reject ON durability_checkpoint")
+            cur.execute("DROP FUNCTION IF EXISTS x_reject()")
+
+    request.addfinalizer(drop)
+    execute(run.id, worker="test-worker")
+    assert CALLS["after"] == 0
+    assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0]
