@@ -918,8 +918,8 @@ class Execution:
         give_up = time.monotonic() + float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
         delay = 0.05
         try:
-            # Only the commit's own session may have failed: this one (and the advisory
-            # lock it holds on the run) is kept if it still answers.
+            # Only the commit's own session may have failed: this one is kept if it still
+            # answers.
             with connection.cursor() as cur:
                 cur.execute("SELECT 1")
             return True
