@@ -496,7 +496,7 @@ class Execution:
         leaving = sys.exc_info()[1]
         try:
             self._settle()
-        except (FencedOut, LeaseLost):
+        except (FencedOut, LeaseLost, DatabaseError):
             if isinstance(leaving, SystemExit | KeyboardInterrupt):
                 return
             raise
@@ -605,7 +605,11 @@ class Execution:
         except Abandon:
             return self._yield()
         except (SystemExit, KeyboardInterrupt):
-            self._yield()  # the process is going away: hand the run back first
+            # The process is going away: hand the run back first, unless the commit in
+            # flight is still unresolved (it could land after the release); then the lease
+            # runs out and the sweeper hands it on.
+            if self.inflight is None:
+                self._yield()
             raise
         except DB_DOWN as exc:
             self.db_errors += 1
