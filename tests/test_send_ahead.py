@@ -49,9 +49,9 @@ def tool(name: str) -> dict:
     return {"tool": name}
 
 
-def agent(name: str) -> Agent:
+def agent(name: str, **options) -> Agent:
     registry.unregister(name)
-    return Agent(name)
+    return Agent(name, **options)
 
 
 def lock_run(side, run_id) -> None:
@@ -226,8 +226,7 @@ def test_a_commit_session_ended_while_idle_is_replaced_without_a_failed_commit(s
 
 
 def test_the_wait_for_the_previous_commit_is_not_charged_to_the_next_steps_timeout(side):
-    registry.unregister("x-ahead-timeout")
-    a = Agent("x-ahead-timeout", step_timeout=1.0, max_retries=0)
+    a = agent("x-ahead-timeout", step_timeout=1.0, max_retries=0)
 
     @a.step(start=True)
     def first(state, ctx):

@@ -21,10 +21,11 @@ PROBE = (
 )
 
 
-def settings_with(tmp_path, **env: str) -> subprocess.CompletedProcess:
-    """config.settings loaded in a process that has only ``env`` (and PATH) set."""
+def settings_with(tmp_path, probe: str = PROBE, **env: str) -> subprocess.CompletedProcess:
+    """config.settings loaded in a process that has only ``env`` (and PATH) set; ``probe``
+    prints what the test reads."""
     return subprocess.run(
-        [sys.executable, "-c", PROBE],
+        [sys.executable, "-c", probe],
         cwd=ROOT,
         env={"PATH": os.environ["PATH"], "DURABILITY_VAR_DIR": str(tmp_path), **env},
         capture_output=True,
@@ -75,19 +76,7 @@ def test_server_sessions_notice_a_silent_server(tmp_path):
     )
 
     def options(url: str) -> dict:
-        done = subprocess.run(
-            [sys.executable, "-c", probe],
-            cwd=ROOT,
-            env={
-                "PATH": os.environ["PATH"],
-                "DURABILITY_VAR_DIR": str(tmp_path),
-                "DATABASE_URL": url,
-                "SECRET_KEY": "k" * 50,
-            },
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = settings_with(tmp_path, probe, DATABASE_URL=url, SECRET_KEY="k" * 50)
         assert done.returncode == 0, done.stderr
         return ast.literal_eval(done.stdout)
 
