@@ -278,6 +278,7 @@ class Execution:
         self.secrets: set[str] = set()
         self.prev_commit_us: int | None = None
         self.latency_unreported = False
+        self.latency_seq: int | None = None  # the checkpoint prev_commit_us is the latency of
         self.failed_commits = 0
         self.max_state = int(getattr(settings, "DURABILITY_MAX_STATE_BYTES", 16 << 20))
         self.agent: Agent | None = None
@@ -323,7 +324,8 @@ class Execution:
                 Event.objects.create(
                     run_id=self.run_id,
                     kind=EventKind.COMMIT_LATENCY,
-                    seq=self.head.seq if self.head else None,
+                    # Not the head's: a last commit that failed is the head in memory.
+                    seq=self.latency_seq,
                     worker=self.worker,
                     commit_us=self.prev_commit_us,
                 )
@@ -452,6 +454,7 @@ class Execution:
         pending = self.inflight
         if pending is None:
             return
+        recovered = pending.interrupted
         try:
             if pending.interrupted:
                 # A signal cut the last wait short, and the channel was closed under it.
@@ -464,6 +467,7 @@ class Execution:
                     raise
                 except DB_DOWN:
                     checkpoint_id = self._recover_commit(pending.commit)
+                    recovered = True
         except (FencedOut, LeaseLost, DatabaseError) as exc:
             # Answered, and not with a checkpoint: the step that ran ahead is void.
             self.inflight = None
@@ -473,6 +477,11 @@ class Execution:
             pending.interrupted = True
             raise
         self.inflight = None
+        if recovered:
+            # The answer that arrived was an error (or was never read): the commit is done
+            # only now, and its latency and span run until now.
+            pending.answered_at = None
+            telemetry.note_recovered(pending.span)
         self._committed(pending, checkpoint_id)
 
     def _settle_for_exit(self) -> Outcome | None:
@@ -531,7 +540,7 @@ class Execution:
 
     def _committed(self, pending: InFlight, checkpoint_id: int) -> None:
         answered_at = pending.answered_at or time.perf_counter()
-        self._record_latency(answered_at - pending.sent_at)
+        self._record_latency(answered_at - pending.sent_at, pending.seq)
         telemetry.end_commit(pending.span)
         if self.head is not None and self.head.seq == pending.seq:
             self.head.id = checkpoint_id
@@ -609,7 +618,10 @@ class Execution:
             # flight is still unresolved (it could land after the release); then the lease
             # runs out and the sweeper hands it on.
             if self.inflight is None:
-                self._yield()
+                try:
+                    self._yield()
+                except DatabaseError as exc:  # the exit goes on; the lease runs out instead
+                    log.warning("run %s: not handed back on the way out: %s", self.run_id, exc)
             raise
         except DB_DOWN as exc:
             self.db_errors += 1
@@ -779,16 +791,25 @@ class Execution:
         )
         if ahead and checkpoints.can_send_ahead(commit):
             span = telemetry.start_commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline)
+            sent_at = time.perf_counter()
             try:
-                sent_at = time.perf_counter()
                 checkpoints.send_step(commit)
             except DB_DOWN:
-                # Nothing may have reached the server: the usual recovery decides.
-                telemetry.end_commit(span)
+                # Nothing may have reached the server: the usual recovery decides, and the
+                # span covers it (it ends with the commit's fate, not the send's).
                 self.inflight = None
-                checkpoint_id = self._recover_commit(commit)
-                self._record_latency(time.perf_counter() - sent_at)
+                try:
+                    checkpoint_id = self._recover_commit(commit)
+                except BaseException as exc:
+                    telemetry.end_commit(span, exc)
+                    raise
+                telemetry.note_recovered(span)
+                telemetry.end_commit(span)
+                self._record_latency(time.perf_counter() - sent_at, seq)
                 self._report_failed_commits(seq)
+            except BaseException as exc:
+                telemetry.end_commit(span, exc)
+                raise
             else:
                 self.inflight = InFlight(
                     commit=commit,
@@ -802,7 +823,7 @@ class Execution:
             started = time.perf_counter()
             with telemetry.commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline):
                 checkpoint_id = self._commit_with_recovery(commit)
-            self._record_latency(time.perf_counter() - started)
+            self._record_latency(time.perf_counter() - started, seq)
         self.pristine = pristine
         self.data = new_bytes
         self.start_bytes = new_bytes
@@ -829,8 +850,9 @@ class Execution:
         if checkpoint_id is not None:
             fault("after_commit", run=self.run_id, step=step, seq=seq)
 
-    def _record_latency(self, seconds: float) -> None:
+    def _record_latency(self, seconds: float, seq: int) -> None:
         self.prev_commit_us = int(seconds * 1_000_000)
+        self.latency_seq = seq
         telemetry.record_commit(self.agent.name, seconds)
         self.latency_unreported = True
 

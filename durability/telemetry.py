@@ -47,17 +47,18 @@ def metrics_enabled() -> bool:
     return isinstance(metrics.get_meter_provider(), _sdk_meter_provider())
 
 
-_tracers: dict[int, trace.Tracer] = {}
+_tracer: tuple[Any, trace.Tracer] | None = None
 
 
 def tracer() -> trace.Tracer:
     # get_tracer builds a new tracer (and checks its arguments) on every call: once per
-    # provider is enough.
+    # provider is enough. Keyed by the provider itself, not its id(), which a provider
+    # collected and replaced (in tests) could share.
+    global _tracer
     provider = trace.get_tracer_provider()
-    found = _tracers.get(id(provider))
-    if found is None:
-        found = _tracers[id(provider)] = provider.get_tracer("durability")
-    return found
+    if _tracer is None or _tracer[0] is not provider:
+        _tracer = (provider, provider.get_tracer("durability"))
+    return _tracer[1]
 
 
 def current_traceparent() -> str:
@@ -221,6 +222,12 @@ def end_commit(span: Any, error: BaseException | None = None) -> None:
     if error is not None:
         failed(span, error)
     span.end()
+
+
+def note_recovered(span: Any) -> None:
+    """On a commit's span: its first attempt failed, and recovery found or made it."""
+    if span is not None:
+        span.set_attribute("durability.checkpoint.recovered", True)
 
 
 def approval_wait(name: str, requested_at: Any, decided_at: Any, approved: bool) -> None:

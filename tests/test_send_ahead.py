@@ -284,3 +284,118 @@ def test_an_error_when_the_commit_commits_voids_it(request):
     execute(run.id, worker="test-worker")
     assert CALLS["after"] == 0
     assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0]
+
+
+@pytest.fixture
+def spans():
+    """This process traced into memory for one test (the global provider is set once per
+    process otherwise: the OpenTelemetry test utilities reset it)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.test.globals_test import reset_trace_globals
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reset_trace_globals()
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    reset_trace_globals()
+
+
+def commit_span(spans, seq: int):
+    found = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "checkpoint commit" and s.attributes["durability.checkpoint.seq"] == seq
+    ]
+    assert len(found) == 1, f"{len(found)} ended spans for the commit of checkpoint {seq}"
+    return found[0]
+
+
+def test_a_commit_recovered_in_flight_ends_its_span_with_the_recovery(side, spans):
+    from opentelemetry.trace import StatusCode
+
+    seen: dict = {}
+
+    def second(state, ctx):
+        pid = wait_for_blocked_commit(side)
+        side.execute("SELECT pg_terminate_backend(%s)", [pid])
+        side.rollback()
+        seen["killed_at"] = time.time_ns()
+        ctx.call("once", tool, "once")
+        return END
+
+    locked_first("x-ahead-span-recovered", side, second)
+    run = operations.start("x-ahead-span-recovered", {})
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    span = commit_span(spans, 1)
+    assert span.attributes["durability.checkpoint.sent_ahead"] is True
+    assert span.attributes["durability.checkpoint.recovered"] is True
+    assert span.status.status_code != StatusCode.ERROR
+    # It ends when the commit is done (sent again), not when its first session died.
+    assert span.end_time > seen["killed_at"]
+    assert commit_span(spans, 2).attributes.get("durability.checkpoint.recovered") is None
+
+
+def test_a_commit_fenced_in_flight_ends_its_span_as_an_error(side, spans):
+    from opentelemetry.trace import StatusCode
+
+    def second(state, ctx):
+        wait_for_blocked_commit(side)
+        side.execute(
+            "UPDATE durability_run SET lease_token = lease_token + 1 WHERE id = %s", [ctx.run_id]
+        )
+        side.commit()
+        ctx.call("never", tool, "never")
+        return END
+
+    locked_first("x-ahead-span-fenced", side, second)
+    run = operations.start("x-ahead-span-fenced", {})
+    assert execute(run.id, worker="test-worker") == Outcome.LOST
+    span = commit_span(spans, 1)
+    assert span.status.status_code == StatusCode.ERROR
+    assert "fenc" in span.status.description.lower() or "lease" in span.status.description
+
+
+def test_leaving_the_process_past_a_fenced_commit_lets_the_exit_go_on(side):
+    """A worker told to exit while the commit in flight is fenced: the exit is not replaced
+    by the commit's failure, and nothing of the run is written (it is no longer ours)."""
+
+    def second(state, ctx):
+        wait_for_blocked_commit(side)
+        side.execute(
+            "UPDATE durability_run SET lease_token = lease_token + 1 WHERE id = %s", [ctx.run_id]
+        )
+        side.commit()
+        raise SystemExit(0)
+
+    locked_first("x-ahead-exit-fenced", side, second)
+    run = operations.start("x-ahead-exit-fenced", {})
+    before = set(Event.objects.filter(run=run).values_list("pk", flat=True))
+    with pytest.raises(SystemExit):
+        execute(run.id, worker="test-worker")
+    assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0]
+    written = Event.objects.filter(run=run).exclude(pk__in=before)
+    assert not written.exclude(kind=EventKind.CLAIMED).exists()
+
+
+def test_leaving_the_process_waits_for_the_commit_in_flight_then_hands_the_run_back(side):
+    def second(state, ctx):
+        pid = wait_for_blocked_commit(side)
+        side.execute("SELECT pg_terminate_backend(%s)", [pid])
+        side.rollback()
+        raise SystemExit(0)
+
+    locked_first("x-ahead-exit", side, second)
+    run = operations.start("x-ahead-exit", {})
+    with pytest.raises(SystemExit):
+        execute(run.id, worker="test-worker")
+    run.refresh_from_db()
+    # The first step's commit was recovered (sent again) before the run was handed back.
+    assert run.head_seq == 1 and run.status == RunStatus.QUEUED
+    assert Event.objects.filter(run=run, kind=EventKind.RELEASED).exists()
+    assert operations.verify(run.id)[0].ok
