@@ -157,16 +157,23 @@ def setup(role: str, *, django: bool = False) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from durability import spans
+
     attributes = {}
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attributes[SERVICE_NAME] = f"durability-{role}"
-    resource = Resource.create(attributes)
+    resource = spans.FrozenResource.of(Resource.create(attributes))
     if span_exporters:
+        processors = []
         tracer_provider = TracerProvider(resource=resource)
         for name in span_exporters:
-            tracer_provider.add_span_processor(BatchSpanProcessor(_span_exporter(name)))
+            processor = BatchSpanProcessor(_span_exporter(name))
+            tracer_provider.add_span_processor(processor)
+            processors.append(processor)
         trace.set_tracer_provider(tracer_provider)
         _providers.append(tracer_provider)
+        # The engine's own spans go straight to these processors (durability/spans.py).
+        spans.install(tracer_provider, processors)
     if metric_exporters:
         meter_provider = MeterProvider(
             resource=resource,

@@ -279,6 +279,7 @@ class Execution:
         self.prev_commit_us: int | None = None
         self.latency_unreported = False
         self.latency_seq: int | None = None  # the checkpoint prev_commit_us is the latency of
+        self.commits_uncounted = 0
         self.failed_commits = 0
         self.max_state = int(getattr(settings, "DURABILITY_MAX_STATE_BYTES", 16 << 20))
         self.agent: Agent | None = None
@@ -318,6 +319,9 @@ class Execution:
             except (Exception, LeaseLost) as exc:
                 # The outcome is decided; a commit that failed wrote nothing.
                 log.warning("run %s: the last commit sent ahead did not land: %s", self.run_id, exc)
+        if self.agent is not None:
+            telemetry.commits_made(self.agent.name, self.commits_uncounted)
+            self.commits_uncounted = 0
         self.snapshots.close()
         if self.latency_unreported and self.prev_commit_us is not None:
             try:
@@ -853,6 +857,7 @@ class Execution:
     def _record_latency(self, seconds: float, seq: int) -> None:
         self.prev_commit_us = int(seconds * 1_000_000)
         self.latency_seq = seq
+        self.commits_uncounted += 1
         telemetry.record_commit(self.agent.name, seconds)
         self.latency_unreported = True
 

@@ -1,9 +1,11 @@
 """Traces and metrics of runs, steps, calls, effects and checkpoint commits.
 
-The engine speaks only the OpenTelemetry *API*; whoever runs it installs an SDK (see
+The engine speaks the OpenTelemetry *API*; whoever runs it installs an SDK (see
 ``config/telemetry.py``: only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or a sibling is set).
 Without one, every helper here returns at its first line, so tracing off costs a function
-call per step.
+call per step. Under the SDK that ``config/telemetry.py`` installs, the step, call, effect
+and commit spans are built by ``durability.spans`` and handed to its span processors: the
+SDK's tracer costs five times as much per span.
 
 One run is one trace, whatever process executes it: the context of the request or command
 that started the run is stored on the run (``Run.trace_parent``), every execution span is
@@ -124,12 +126,31 @@ def execution(run: Any, worker: str, previous_exec: str) -> Iterator[Any]:
         yield span
 
 
+@lru_cache(maxsize=1)
+def _spans() -> Any:
+    # Imported on first use: it imports the SDK, which a process tracing nothing never needs.
+    from durability import spans
+
+    return spans
+
+
+def _current(name: str, kind: SpanKind, attributes: dict[str, Any]):
+    """A span as the current one for a ``with`` block: the engine's own (``spans``) where it
+    can be, the SDK's otherwise."""
+    spans = _spans()
+    span = spans.start(name, kind, attributes)
+    if span is not None:
+        return spans.current(span)
+    return tracer().start_as_current_span(name, kind=kind, attributes=attributes)
+
+
 def step(name: str, seq: int, attempt: int):
     if not enabled():
         return _NULL
-    return tracer().start_as_current_span(
+    return _current(
         f"step {name}",
-        attributes={
+        SpanKind.INTERNAL,
+        {
             "durability.step.name": name,
             "durability.checkpoint.base_seq": seq,
             "durability.step.attempt": attempt,
@@ -140,10 +161,10 @@ def step(name: str, seq: int, attempt: int):
 def call(key: str, function: str, kind: str):
     if not enabled():
         return _NULL
-    return tracer().start_as_current_span(
+    return _current(
         f"call {key}",
-        kind=SpanKind.CLIENT,
-        attributes={
+        SpanKind.CLIENT,
+        {
             "durability.call.key": key,
             "durability.call.function": function,
             "durability.call.kind": kind,
@@ -176,10 +197,10 @@ def describe_result(span: Any, value: Any) -> None:
 def effect(key: str, idempotency_key: str, function: str):
     if not enabled():
         return _NULL
-    return tracer().start_as_current_span(
+    return _current(
         f"effect {key}",
-        kind=SpanKind.CLIENT,
-        attributes={
+        SpanKind.CLIENT,
+        {
             "durability.effect.key": key,
             "durability.effect.idempotency_key": idempotency_key,
             "durability.effect.function": function,
@@ -190,10 +211,8 @@ def effect(key: str, idempotency_key: str, function: str):
 def commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool):
     if not enabled():
         return _NULL
-    return tracer().start_as_current_span(
-        "checkpoint commit",
-        kind=SpanKind.CLIENT,
-        attributes=_commit_attributes(run_id, seq, size, delta, snapshot),
+    return _current(
+        "checkpoint commit", SpanKind.CLIENT, _commit_attributes(run_id, seq, size, delta, snapshot)
     )
 
 
@@ -213,6 +232,9 @@ def start_commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool) -
         return None
     attributes = _commit_attributes(run_id, seq, size, delta, snapshot)
     attributes["durability.checkpoint.sent_ahead"] = True
+    span = _spans().start("checkpoint commit", SpanKind.CLIENT, attributes)
+    if span is not None:
+        return span
     return tracer().start_span("checkpoint commit", kind=SpanKind.CLIENT, attributes=attributes)
 
 
@@ -325,12 +347,15 @@ def instruments() -> Instruments:
 
 
 def record_commit(agent: str, seconds: float) -> None:
-    if not metrics_enabled():
-        return
-    attrs = {"durability.agent.name": agent}
-    m = instruments()
-    m.commits.add(1, attrs)
-    m.commit_duration.record(seconds, attrs)
+    if metrics_enabled():
+        instruments().commit_duration.record(seconds, {"durability.agent.name": agent})
+
+
+def commits_made(agent: str, count: int) -> None:
+    """Counted once per execution, not per commit: each ``add`` costs as much as the
+    latency's ``record``, and the count is exported after the execution anyway."""
+    if count and metrics_enabled():
+        instruments().commits.add(count, {"durability.agent.name": agent})
 
 
 def count(name: str, value: float = 1, **attributes: Any) -> None:

@@ -86,6 +86,34 @@ class Faults:
         return {"DURABILITY_FAULTS": f"@{self.path}", "DURABILITY_FAULT_DIR": str(self.markers)}
 
 
+@pytest.fixture(params=["engine", "sdk"])
+def memory_spans(request):
+    """This process traced into memory for one test, the spans the engine makes going the
+    way ``config.telemetry`` sends them (``engine``: ``durability.spans``) or through the
+    SDK's tracer (``sdk``: under a provider set up elsewhere). The global provider is set
+    once per process otherwise: OpenTelemetry's test utilities reset it."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.test.globals_test import reset_trace_globals
+
+    from durability import spans
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    reset_trace_globals()
+    trace.set_tracer_provider(provider)
+    if request.param == "engine":
+        spans.install(provider, [processor])
+    yield exporter
+    spans.uninstall()
+    provider.shutdown()
+    reset_trace_globals()
+
+
 @pytest.fixture
 def faults(tmp_path, monkeypatch):
     """Faults for in-process executions."""

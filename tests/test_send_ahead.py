@@ -286,37 +286,17 @@ def test_an_error_when_the_commit_commits_voids_it(request):
     assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0]
 
 
-@pytest.fixture
-def spans():
-    """This process traced into memory for one test (the global provider is set once per
-    process otherwise: the OpenTelemetry test utilities reset it)."""
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry.test.globals_test import reset_trace_globals
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reset_trace_globals()
-    trace.set_tracer_provider(provider)
-    yield exporter
-    provider.shutdown()
-    reset_trace_globals()
-
-
-def commit_span(spans, seq: int):
+def commit_span(exporter, seq: int):
     found = [
         s
-        for s in spans.get_finished_spans()
+        for s in exporter.get_finished_spans()
         if s.name == "checkpoint commit" and s.attributes["durability.checkpoint.seq"] == seq
     ]
     assert len(found) == 1, f"{len(found)} ended spans for the commit of checkpoint {seq}"
     return found[0]
 
 
-def test_a_commit_recovered_in_flight_ends_its_span_with_the_recovery(side, spans):
+def test_a_commit_recovered_in_flight_ends_its_span_with_the_recovery(side, memory_spans):
     from opentelemetry.trace import StatusCode
 
     seen: dict = {}
@@ -332,16 +312,16 @@ def test_a_commit_recovered_in_flight_ends_its_span_with_the_recovery(side, span
     locked_first("x-ahead-span-recovered", side, second)
     run = operations.start("x-ahead-span-recovered", {})
     assert drive(run.id).status == RunStatus.SUCCEEDED
-    span = commit_span(spans, 1)
+    span = commit_span(memory_spans, 1)
     assert span.attributes["durability.checkpoint.sent_ahead"] is True
     assert span.attributes["durability.checkpoint.recovered"] is True
     assert span.status.status_code != StatusCode.ERROR
     # It ends when the commit is done (sent again), not when its first session died.
     assert span.end_time > seen["killed_at"]
-    assert commit_span(spans, 2).attributes.get("durability.checkpoint.recovered") is None
+    assert commit_span(memory_spans, 2).attributes.get("durability.checkpoint.recovered") is None
 
 
-def test_a_commit_fenced_in_flight_ends_its_span_as_an_error(side, spans):
+def test_a_commit_fenced_in_flight_ends_its_span_as_an_error(side, memory_spans):
     from opentelemetry.trace import StatusCode
 
     def second(state, ctx):
@@ -356,7 +336,7 @@ def test_a_commit_fenced_in_flight_ends_its_span_as_an_error(side, spans):
     locked_first("x-ahead-span-fenced", side, second)
     run = operations.start("x-ahead-span-fenced", {})
     assert execute(run.id, worker="test-worker") == Outcome.LOST
-    span = commit_span(spans, 1)
+    span = commit_span(memory_spans, 1)
     assert span.status.status_code == StatusCode.ERROR
     assert "fenc" in span.status.description.lower() or "lease" in span.status.description
 
