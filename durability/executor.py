@@ -154,6 +154,25 @@ def execute(
         keeper.stop()
 
 
+def _drop_session_cut_short() -> None:
+    """``Abandon`` (a signal) raised while a query of the step waited for its answer leaves
+    Django's session busy with that query: psycopg cancels it only on KeyboardInterrupt and
+    SystemExit, and every later statement would fail with "another command is already in
+    progress". Cancel it on the server and close the session; the next use opens a new one."""
+    raw = connection.connection
+    if raw is None or connection.vendor != "postgresql":
+        return
+    from psycopg import pq
+
+    if raw.pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+        return
+    try:
+        raw.cancel_safe(timeout=2.0)
+    except Exception as exc:  # the close below ends the session either way
+        log.warning("could not cancel the query a shutdown cut short: %s", exc)
+    connection.close()
+
+
 BUSY_RETRY_SECONDS = 0.5
 BUSY_RING_WINDOW_SECONDS = 2.0
 
@@ -616,6 +635,7 @@ class Execution:
             telemetry.note("lease_lost", reason=str(exc))
             return Outcome.LOST
         except Abandon:
+            _drop_session_cut_short()
             return self._yield()
         except (SystemExit, KeyboardInterrupt):
             # The process is going away: hand the run back first, unless the commit in

@@ -852,3 +852,51 @@ def test_commits_the_server_lost_in_a_crash_are_not_built_on():
     assert done.status == RunStatus.SUCCEEDED, (done.status, done.error)
     assert state_of(run.id)["n"] == 5
     assert operations.verify(run.id)[0].ok
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="psycopg's session state")
+def test_a_step_abandoned_in_a_query_hands_the_run_back_on_a_new_session():
+    """The shutdown grace period ends (``Abandon``, raised by a signal) while the step waits
+    on a query: the query is cancelled, not left running on a busy session, and the run is
+    handed back all the same."""
+    import os
+    import signal
+    import threading
+
+    from durability.executor import Outcome, execute
+    from workers import shutdown
+
+    a = agent("x-abandon-in-query")
+
+    @a.step(start=True)
+    def slow(state, ctx):
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_sleep(30)")
+        return END
+
+    run = operations.start("x-abandon-in-query", {})
+    previous = signal.signal(signal.SIGUSR2, shutdown._on_grace_over)
+    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGUSR2))
+    started = time.monotonic()
+    try:
+        timer.start()
+        with shutdown.executing():
+            outcome = execute(run.id, worker="test-worker")
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
+    assert outcome == Outcome.YIELDED
+    assert time.monotonic() - started < 10
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+    assert Event.objects.filter(run=run, kind=EventKind.RELEASED).exists()
+
+    def sleeping() -> bool:
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)'"
+                " AND state = 'active'"
+            )
+            return cur.fetchone()[0] == 0
+
+    wait_until(sleeping, timeout=5)
