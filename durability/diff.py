@@ -132,11 +132,13 @@ def _walk_list(a: list, b: list, path: str, ops: list, eq) -> None:
     strict = eq is same
     if not strict:
         # The common cases first, each a C-level comparison: appended, inserted in front,
-        # and a window that slid (dropped at one end, added at the other).
-        if lb >= la and b[:la] == a:
+        # and a window that slid (dropped at one end, added at the other). Lists of the same
+        # length that differ can be neither of the first two: those comparisons would only
+        # walk the list twice more.
+        if lb > la and b[:la] == a:
             ops.extend({"op": "add", "path": f"{path}/{i}", "value": b[i]} for i in range(la, lb))
             return
-        if lb >= la and b[lb - la :] == a:
+        if lb > la and b[lb - la :] == a:
             ops.extend({"op": "add", "path": f"{path}/{i}", "value": b[i]} for i in range(lb - la))
             return
         shifted = _shift(a, b)
