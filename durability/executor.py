@@ -229,12 +229,36 @@ def _trace_claim(claim: leases.Claim, span: Any) -> None:
         trace_exec=telemetry.current_traceparent()
     )
     if claim.recovered:
+        _stand_in_for_the_lost_execution(claim)
         telemetry.note("recovered", recovery_ms=claim.recovery_ms, work_lost_ms=claim.work_lost_ms)
         telemetry.count("recoveries", agent=claim.run.agent)
         if claim.recovery_ms is not None:
             telemetry.observe("recovery_duration", claim.recovery_ms / 1000)
         if claim.work_lost_ms is not None:
             telemetry.observe("work_lost", claim.work_lost_ms / 1000)
+
+
+def _stand_in_for_the_lost_execution(claim: leases.Claim) -> None:
+    """The execution this claim recovered from died with its span unended: write it, from
+    that execution's claim to its last sign of life."""
+    previous = (
+        Event.objects.filter(run_id=claim.run.id, kind=EventKind.CLAIMED)
+        .order_by("-id")
+        .values_list("created_at", "worker")[1:2]
+    )
+    row = next(iter(previous), None)
+    if row is None or not claim.run.trace_exec:
+        return
+    started, worker = row
+    ended = claim.lost_at or started
+    telemetry.lost_execution(
+        claim.run,
+        claim.run.trace_exec,
+        worker=worker,
+        attempt=claim.attempts - 1,
+        started_ns=int(started.timestamp() * 1e9),
+        ended_ns=int(ended.timestamp() * 1e9),
+    )
 
 
 def _never() -> bool:

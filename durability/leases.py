@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -201,6 +201,8 @@ class Claim:
     recovered: bool
     recovery_ms: float | None = None
     work_lost_ms: float | None = None
+    # The lost attempt's last sign of life (set when ``recovered``).
+    lost_at: datetime | None = None
 
 
 def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
@@ -262,6 +264,7 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
             )
         ]
         figures: dict[str, float | None] = {}
+        lost_at = run.lost_heartbeat_at
         if recovered:
             event, figures = _recovered_event(run, worker)
             events.append(event)
@@ -275,6 +278,7 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
         recovered=recovered,
         recovery_ms=figures.get("recovery_ms"),
         work_lost_ms=figures.get("work_lost_ms"),
+        lost_at=lost_at,
     )
 
 

@@ -167,7 +167,10 @@ def start(
         if existing is not None:
             return existing
     try:
-        with transaction.atomic():
+        with (
+            telemetry.run_root(f"start {agent}", **{"durability.agent.name": agent}),
+            transaction.atomic(),
+        ):
             run = _create_run(
                 definition,
                 first,
@@ -707,7 +710,10 @@ def fork(
     arguments match (so only what the edit changed is paid for again) and, unless ``live``,
     records the effects it would have run instead of running them."""
     source, target, state_bytes, edited = _fork_input(ref, from_seq, state)
-    with transaction.atomic():
+    with (
+        telemetry.run_root(f"fork {source.agent}", **{"durability.fork.source": str(source.id)}),
+        transaction.atomic(),
+    ):
         run = Run.objects.create(
             agent=source.agent,
             agent_version=registry.get(source.agent).version,

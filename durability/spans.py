@@ -222,6 +222,46 @@ class Span(trace.Span):
             processor.on_end(finished)
 
 
+def record(
+    name: str,
+    context: SpanContext,
+    parent: SpanContext | None,
+    kind: SpanKind,
+    attributes: dict[str, Any],
+    start_ns: int,
+    end_ns: int,
+    status: Status,
+) -> bool:
+    """Hand the processors a finished span whose identity is already known (a span another
+    process started and could not end); False, and nothing sent, where the engine's spans
+    are not installed or ``context`` is not sampled."""
+    pipeline = _pipeline
+    if pipeline is None or trace.get_tracer_provider() is not pipeline.provider:
+        return False
+    if not context.trace_flags.sampled:
+        return False
+    finished = ReadableSpan(
+        name=name,
+        context=context,
+        parent=parent,
+        resource=pipeline.resource,
+        attributes=BoundedAttributes(
+            pipeline.max_attributes,
+            {k: c for k, v in attributes.items() if (c := _clean(v)) is not None},
+            immutable=True,
+            max_value_len=pipeline.max_value_len,
+        ),
+        kind=kind,
+        status=status,
+        start_time=start_ns,
+        end_time=max(start_ns, end_ns),
+        instrumentation_scope=pipeline.scope,
+    )
+    for processor in pipeline.processors:
+        processor.on_end(finished)
+    return True
+
+
 def start(name: str, kind: SpanKind, attributes: dict[str, Any]) -> Span | None:
     """A span, child of the current one, or None where the SDK must decide (see above)."""
     pipeline = _pipeline

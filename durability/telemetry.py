@@ -73,6 +73,18 @@ def current_traceparent() -> str:
     return carrier.get("traceparent", "")
 
 
+@contextmanager
+def run_root(name: str, **attributes: Any) -> Iterator[None]:
+    """A span to start a run under when none is active (a script, the demo seeder, a fork
+    made outside a request): the run keeps it as the parent of all its executions, so a run
+    started anywhere is one trace, whichever worker or sweep later delivers it."""
+    if not enabled() or trace.get_current_span().get_span_context().is_valid:
+        yield
+        return
+    with tracer().start_as_current_span(name, attributes=attributes):
+        yield
+
+
 def _context_of(traceparent: str) -> otel_context.Context | None:
     if not traceparent:
         return None
@@ -124,6 +136,51 @@ def execution(run: Any, worker: str, previous_exec: str) -> Iterator[Any]:
         },
     ) as span:
         yield span
+
+
+def lost_execution(
+    run: Any,
+    previous_exec: str,
+    *,
+    worker: str,
+    attempt: int,
+    started_ns: int,
+    ended_ns: int,
+) -> bool:
+    """Stand in for the span of an execution whose process died (SIGKILL, OOM) before it
+    could end and export it: the same trace and span id, so the steps, calls and commits it
+    had already exported hang under it again and the trace stays connected, marked as an
+    error from when that execution started to its last sign of life. Written by the execution
+    that recovered the run, which knows the dead one's lease is gone with its process."""
+    lost = _span_context_of(previous_exec)
+    if lost is None:
+        return False
+    root = _span_context_of(run.trace_parent)
+    parent = root if root is not None and root.trace_id == lost.trace_id else None
+    context = trace.SpanContext(
+        lost.trace_id,
+        lost.span_id,
+        is_remote=False,
+        trace_flags=lost.trace_flags,
+        trace_state=lost.trace_state,
+    )
+    return _spans().record(
+        f"run {run.agent}",
+        context,
+        parent,
+        SpanKind.CONSUMER,
+        {
+            "durability.run.id": str(run.id),
+            "durability.agent.name": run.agent,
+            "durability.agent.version": run.agent_version,
+            "durability.run.attempt": attempt,
+            "durability.worker": worker,
+            "durability.execution.lost": True,
+        },
+        started_ns,
+        ended_ns,
+        Status(StatusCode.ERROR, "the worker died before this execution ended"),
+    )
 
 
 @lru_cache(maxsize=1)

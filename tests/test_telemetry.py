@@ -106,9 +106,23 @@ def test_one_connected_trace_across_a_worker_kill(traced, receiver, cluster_faul
         for _, span_id, a in resumed.links
         if a.get("durability.link") == "previous_execution"
     )
+    # The killed execution never ended its span: the execution that recovered the run wrote
+    # a stand-in with its identity, so what it had exported hangs under it, in the trace.
+    lost = wait_until(
+        lambda: by_id.get(killed) or {s.span_id: s for s in receiver.spans()}.get(killed),
+        timeout=30,
+        what="the lost execution's stand-in",
+    )
+    by_id[killed] = lost
+    assert lost.name == "run test-loop" and lost.parent_id == root.span_id
+    assert lost.attributes["durability.execution.lost"] is True
+    assert (
+        lost.attributes["durability.run.attempt"]
+        == resumed.attributes["durability.run.attempt"] - 1
+    )
+    assert lost.status == 2  # ERROR
+    assert lost.start_ns <= lost.end_ns <= resumed.start_ns
     for step in steps:
-        if step.parent_id == killed:
-            continue  # exported before the kill; its execution span never ended
         assert any(a.name == "run test-loop" for a in ancestors(step))
         assert root in ancestors(step)
 
@@ -324,3 +338,52 @@ def test_a_collector_that_hangs_holds_a_task_back_once_and_briefly():
     assert not second_ok and second < 0.5  # then stops waiting for a while
     assert shutdown < 5.0
     assert "not waiting for it again" in done.stderr
+
+
+def test_a_run_started_with_no_span_active_is_still_one_trace(memory_spans, monkeypatch):
+    """A script, the demo seeder or a fork outside a request starts a run with no span
+    active: the run gets a root span of its own, and every execution hangs under it, even
+    when a delivery from another trace (a sweep re-enqueuing it) executes it."""
+    from opentelemetry import trace
+
+    from durability import operations
+    from durability.testing import drive
+
+    def traceparent(span) -> str:
+        context = span.get_span_context() if hasattr(span, "get_span_context") else span.context
+        return f"{context.trace_id:032x}-{context.span_id:016x}"
+
+    def ids(run) -> str:
+        return run.trace_parent.split("-", 1)[1].rsplit("-", 1)[0]
+
+    # Executed here, not by this module's workers.
+    monkeypatch.setattr("durability.dispatch._dispatcher", None)
+
+    run = operations.start("test-ticker", {"n": 2}, by="script")
+    [root] = [s for s in memory_spans.get_finished_spans() if s.name == "start test-ticker"]
+    assert root.parent is None and root.attributes["durability.agent.name"] == "test-ticker"
+    assert ids(run) == traceparent(root)
+    with trace.get_tracer("t").start_as_current_span("sweep") as sweep:
+        drive(run.id)
+    executions = [s for s in memory_spans.get_finished_spans() if s.name == "run test-ticker"]
+    assert executions
+    for execution in executions:
+        assert execution.parent.span_id == root.context.span_id
+        assert execution.context.trace_id == root.context.trace_id
+        assert [link.context.span_id for link in execution.links] == [
+            sweep.get_span_context().span_id
+        ]
+
+    # Under an active span (a request, a CLI command), that span is the run's parent.
+    memory_spans.clear()
+    with trace.get_tracer("t").start_as_current_span("request") as request:
+        started = operations.start("test-ticker", {"n": 1}, by="web")
+        forked = operations.fork(run.id, 1, by="web")
+    assert ids(started) == ids(forked) == traceparent(request)
+    assert [s.name for s in memory_spans.get_finished_spans()] == ["request"]
+
+    # A fork with none active gets its own root, naming the run it came from.
+    forked = operations.fork(run.id, 1, by="script")
+    [root] = [s for s in memory_spans.get_finished_spans() if s.name == "fork test-ticker"]
+    assert root.attributes["durability.fork.source"] == str(run.id)
+    assert ids(forked) == traceparent(root)
