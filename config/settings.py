@@ -195,6 +195,11 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "durability")
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# A killed pool process's message stays unacked, holding one of the worker's prefetch slots,
+# until Celery stops waiting for a result it might have sent (10 s by default): with the other
+# processes busy, not even the sweep that would recover the run gets in. Tasks send no result
+# and a second delivery of one is harmless, so a second is enough.
+CELERY_WORKER_LOST_WAIT = env_float("CELERY_WORKER_LOST_WAIT", 1.0)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
