@@ -163,3 +163,37 @@ def test_attribute_limits_and_bad_values_as_the_sdk_applies_them(pipeline, monke
     span.set_attribute("late", 1)
     span.set_status(StatusCode.ERROR)
     assert not span.is_recording() and "late" not in done.attributes
+
+
+def test_a_lost_executions_stand_in_keeps_its_identity_and_only_when_sampled(pipeline):
+    from types import SimpleNamespace
+
+    provider, exporter = pipeline()
+    root = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    lost = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"
+    run = SimpleNamespace(id="r-1", agent="a", agent_version="1", trace_parent=root)
+    kwargs = {"worker": "w@h", "attempt": 2, "started_ns": 10, "ended_ns": 5}
+    assert telemetry.lost_execution(run, lost, **kwargs)
+    [span] = exporter.get_finished_spans()
+    assert (span.context.trace_id, span.context.span_id) == (
+        0x0AF7651916CD43DD8448EB211C80319C,
+        0x00F067AA0BA902B7,
+    )
+    assert not span.context.is_remote and span.parent.span_id == 0xB7AD6B7169203331
+    assert span.name == "run a" and span.kind == SpanKind.CONSUMER
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes["durability.execution.lost"] is True
+    assert span.attributes["durability.worker"] == "w@h"
+    assert span.start_time == 10 and span.end_time == 10  # never before its start
+    # In another trace than the run's root: no parent is claimed for it.
+    elsewhere = "00-11111111111111111111111111111111-00f067aa0ba902b7-01"
+    assert telemetry.lost_execution(run, elsewhere, **kwargs)
+    assert exporter.get_finished_spans()[-1].parent is None
+    # Unsampled, absent or unreadable: nothing is written.
+    exporter.clear()
+    for previous in (lost[:-2] + "00", "", "not a traceparent"):
+        assert not telemetry.lost_execution(run, previous, **kwargs)
+    assert exporter.get_finished_spans() == ()
+    # Under a provider the engine's spans are not installed on: nothing either.
+    spans.uninstall()
+    assert not telemetry.lost_execution(run, lost, **kwargs)
