@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
@@ -28,8 +27,8 @@ from opentelemetry.trace import (
 )
 
 from config.otlp import OTLPSpanExporter, encode_spans
-from durability import telemetry
 from tests.otlp import OTLPReceiver
+from tests.span_helpers import steps_with_a_failing_call
 
 
 def _sdk_bytes(spans) -> bytes:
@@ -45,17 +44,7 @@ def _recorded(provider: TracerProvider) -> tuple[InMemorySpanExporter, TracerPro
 def test_the_engines_spans_encode_as_the_sdk_does(memory_spans):
     """Step, call (with GenAI attributes and an error), event, commit: as the engine makes
     them, through its own spans and through the SDK's tracer."""
-    with telemetry.tracer().start_as_current_span("run x"):
-        with telemetry.step("plan", 3, 1) as step:
-            with pytest.raises(ValueError), telemetry.call("llm", "agents.ask", "call") as call:
-                telemetry.describe_result(
-                    call, {"model": "m1", "usage": {"prompt_tokens": 5, "completion_tokens": 7}}
-                )
-                raise ValueError("rate limited")
-            telemetry.note("call.replayed", key="llm", occurrence=None)
-            commit = telemetry.start_commit("r-1", 4, 1200, 300, False)
-            telemetry.set_attributes(step, **{"durability.step.next": "act"})
-        telemetry.end_commit(commit)
+    steps_with_a_failing_call()
     spans = memory_spans.get_finished_spans()
     assert len(spans) == 4
     assert encode_spans(spans) == _sdk_bytes(spans)

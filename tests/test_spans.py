@@ -12,22 +12,7 @@ from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 
 from durability import spans, telemetry
-
-
-def _steps_with_a_failing_call() -> None:
-    """Spans as the engine makes them: an execution, a step, a call that raises, a commit
-    sent ahead, an event on the step."""
-    with telemetry.tracer().start_as_current_span("run x"):
-        with telemetry.step("plan", 3, 1) as step:
-            with pytest.raises(ValueError), telemetry.call("llm", "agents.ask", "call") as call:
-                telemetry.describe_result(
-                    call, {"model": "m1", "usage": {"prompt_tokens": 5, "completion_tokens": 7}}
-                )
-                raise ValueError("rate limited")
-            telemetry.note("call.replayed", key="llm", occurrence=None)
-            commit = telemetry.start_commit("r-1", 4, 1200, 300, False)
-            telemetry.set_attributes(step, **{"durability.step.next": "act"})
-        telemetry.end_commit(commit)
+from tests.span_helpers import steps_with_a_failing_call
 
 
 def _shape(exporter: InMemorySpanExporter) -> list[tuple]:
@@ -49,7 +34,7 @@ def _shape(exporter: InMemorySpanExporter) -> list[tuple]:
 
 
 def test_the_engines_spans_reach_the_processors_as_the_sdks_do(memory_spans):
-    _steps_with_a_failing_call()
+    steps_with_a_failing_call()
     assert len(memory_spans.get_finished_spans()) == 4
     shape = _shape(memory_spans)
     by_name = {row[0]: row for row in shape}
@@ -87,7 +72,7 @@ def test_both_ways_give_the_same_spans():
         if engine:
             spans.install(provider, [processor])
         try:
-            _steps_with_a_failing_call()
+            steps_with_a_failing_call()
         finally:
             spans.uninstall()
             reset_trace_globals()
