@@ -166,6 +166,10 @@ def _uint_field(tag: bytes, n: int) -> bytes:
     return tag + _varint(n) if n else b""
 
 
+def _time_field(tag: bytes, ns: int | None) -> bytes:
+    return tag + _FIXED64(ns) if ns else b""
+
+
 def _trace_state(trace_state: Any) -> bytes:
     if not trace_state:
         return b""
@@ -189,15 +193,13 @@ def _span(span: ReadableSpan) -> bytes:
     parts += (
         b"\x30",
         _SMALL[_KIND[span.kind]],
-        b"\x39",
-        _FIXED64(span.start_time or 0),
-        b"\x41",
-        _FIXED64(span.end_time or 0),
+        _time_field(b"\x39", span.start_time),
+        _time_field(b"\x41", span.end_time),
         _attributes(b"\x4a", span.attributes),
         _uint_field(b"\x50", span.dropped_attributes),
     )
     for event in span.events:
-        inner = b"\x09" + _FIXED64(event.timestamp or 0)
+        inner = _time_field(b"\x09", event.timestamp)
         if event.name:
             inner += _str_field(b"\x12", event.name)
         inner += _attributes(b"\x1a", event.attributes)

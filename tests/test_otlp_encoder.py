@@ -90,7 +90,10 @@ def test_every_span_field_encodes_as_the_sdk_does():
                 pass
     with p2.get_tracer("other").start_as_current_span("elsewhere"):
         pass
-    spans = [*first.get_finished_spans(), *second.get_finished_spans()]
+    unstarted = ReadableSpan(
+        "unstarted", context=SpanContext(5, 6, False), events=[Event("e", timestamp=0)]
+    )
+    spans = [*first.get_finished_spans(), *second.get_finished_spans(), unstarted]
     assert {s.dropped_attributes for s in spans} >= {1}
     assert {s.dropped_events for s in spans} >= {1}
     assert {s.dropped_links for s in spans} >= {1}
