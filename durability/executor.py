@@ -229,7 +229,10 @@ def _trace_claim(claim: leases.Claim, span: Any) -> None:
         trace_exec=telemetry.current_traceparent()
     )
     if claim.recovered:
-        _stand_in_for_the_lost_execution(claim)
+        try:
+            _stand_in_for_the_lost_execution(claim)
+        except Exception:  # a span is never worth a recovery
+            log.warning("could not write the lost execution's span", exc_info=True)
         telemetry.note("recovered", recovery_ms=claim.recovery_ms, work_lost_ms=claim.work_lost_ms)
         telemetry.count("recoveries", agent=claim.run.agent)
         if claim.recovery_ms is not None:
