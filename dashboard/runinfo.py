@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.db.models import F
 
 from dashboard import diffview, present, states
@@ -146,6 +147,24 @@ def can_cancel(run: Run) -> bool:
 TABS = ("changes", "state", "mutations", "calls")
 
 
+@dataclass(frozen=True)
+class Trace:
+    """The run's trace: every step, call, effect and commit of the run is a span in it."""
+
+    id: str
+    url: str = ""
+
+
+def trace_of(run: Run) -> Trace | None:
+    """From the traceparent stored when the run started ("00-<trace id>-<span id>-<flags>"),
+    with a link where a trace viewer is configured (``DURABILITY_TRACE_URL``)."""
+    parts = (getattr(run, "trace_parent", "") or "").split("-")
+    if len(parts) != 4 or len(parts[1]) != 32:
+        return None
+    template = getattr(settings, "DURABILITY_TRACE_URL", "")
+    return Trace(parts[1], template.replace("{trace_id}", parts[1]) if template else "")
+
+
 @dataclass
 class Inspector:
     run: Run
@@ -162,6 +181,7 @@ class Inspector:
     mutation_count: int = 0
     produced_by: list[JournalEntry] = field(default_factory=list)
     made_from: list[JournalEntry] = field(default_factory=list)
+    trace: Trace | None = None
     effects_by: list[Effect] = field(default_factory=list)
     effects_from: list[Effect] = field(default_factory=list)
     approvals: list[Approval] = field(default_factory=list)
@@ -188,7 +208,7 @@ def inspector(run: Run, cp: Checkpoint, tab: str) -> Inspector:
     previous = states.previous_of(run, cp)
     if tab not in TABS:
         tab = "changes" if previous else "state"
-    view = Inspector(run, cp, tab, previous=previous)
+    view = Inspector(run, cp, tab, previous=previous, trace=trace_of(run))
     if tab == "state":
         loaded = states.load(cp)
         view.error = loaded.error

@@ -287,3 +287,28 @@ def test_a_tampered_checkpoint_is_named_never_shown(as_operator):
     assert "does not verify" in diff and "diffsum" not in diff
     # The checkpoint before it still reads fine.
     assert "does not verify" not in text_of(as_operator.get(cp_url(run, 1, "state")))
+
+
+def test_the_trace_id_is_shown_with_or_without_a_viewer_link(as_operator, settings):
+    """The run's trace id, to paste into any tracing backend; with a viewer configured, a
+    link from the run and from each checkpoint (its step's spans are in that trace)."""
+    run = waiting_run()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    settings.DURABILITY_TRACE_URL = ""
+    html = text_of(as_operator.get(run_url(run)))
+    assert trace_id not in html  # not traced: nothing to show
+    Run.objects.filter(pk=run.pk).update(trace_parent=f"00-{trace_id}-00f067aa0ba902b7-01")
+    html = text_of(as_operator.get(run_url(run)))
+    assert trace_id in html and "open the trace" not in html
+    inspector = text_of(as_operator.get(cp_url(run, 1, "state")))
+    assert trace_id[:16] in inspector and "open the step's trace" not in inspector
+    settings.DURABILITY_TRACE_URL = "https://tempo.example/explore?traceId={trace_id}"
+    link = f'href="https://tempo.example/explore?traceId={trace_id}"'
+    assert link in text_of(as_operator.get(run_url(run)))
+    inspector = as_operator.get(
+        cp_url(run, 1, "state"), HTTP_HX_REQUEST="true", HTTP_HX_TARGET="inspector"
+    )
+    assert link in text_of(inspector) and "open the step's trace" in text_of(inspector)
+    # A traceparent that is not one shows nothing rather than a broken link.
+    Run.objects.filter(pk=run.pk).update(trace_parent="garbage")
+    assert "tempo.example" not in text_of(as_operator.get(run_url(run)))

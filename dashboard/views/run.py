@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.urls import reverse
@@ -40,7 +39,7 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
         "source": _source(run),
         "children": _children(run),
         "parent": _parent(run),
-        "trace_url": _trace_url(run),
+        "trace": runinfo.trace_of(run),
         "header_token": runinfo.header_token(run),
         "actions_token": runinfo.actions_token(run, approvals, doubts),
         "can_resume": runinfo.can_resume(run),
@@ -126,7 +125,7 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
             source=_source(run),
             children=_children(run),
             parent=_parent(run),
-            trace_url=_trace_url(run),
+            trace=runinfo.trace_of(run),
         )
     return page(request, "dashboard/run.html", context, fragment="live")
 
@@ -166,16 +165,6 @@ def _parent(run: Run) -> Run | None:
     if not run.parent_run_id:
         return None
     return Run.objects.filter(pk=run.parent_run_id).only("id", "agent").first()
-
-
-def _trace_url(run: Run) -> str:
-    """A link to the run's trace when a trace viewer is configured (traceparent
-    "00-<trace id>-<span id>-<flags>")."""
-    template = getattr(settings, "DURABILITY_TRACE_URL", "")
-    parts = (getattr(run, "trace_parent", "") or "").split("-")
-    if not template or len(parts) != 4:
-        return ""
-    return template.replace("{trace_id}", parts[1])
 
 
 def _source(run: Run) -> Run | None:
