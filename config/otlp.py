@@ -1,9 +1,9 @@
 """OTLP/HTTP span export with the request body written directly in protobuf's wire format.
 
 The SDK's encoder builds a protobuf object per span, per attribute and per value before it
-serialises them: about 23 µs a span here, the largest share of what tracing costs a worker
-(it runs on the export thread, but that thread holds the interpreter lock while it
-encodes). Writing the same bytes directly takes a fraction of that. The output is the
+serialises them: about 19 µs for each of the engine's spans here, the largest share of what
+tracing costs a worker (it runs on the export thread, but that thread holds the interpreter
+lock while it encodes). Writing the same bytes directly takes about 6 µs. The output is the
 SDK's, byte for byte: tests compare both encoders on the same spans, and on generated
 attribute values of every type.
 
@@ -105,11 +105,13 @@ def _value(value: Any) -> bytes:
     raise _Unencodable(f"Invalid type {type(value)} of value {value}")
 
 
-# Attribute keys repeat from span to span, and so do many string values (a run's id, a
-# step's name): their encoded forms are kept, up to a bound.
+# Attribute keys repeat from span to span, and so do many short string values (a run's id,
+# a step's name): their encoded forms are kept, up to a bound. Long values (a stack trace)
+# rarely repeat and are not kept.
 _KEYS: dict[str, bytes] = {}
 _STRINGS: dict[tuple[bytes, str, str], bytes] = {}
 _CACHE_BOUND = 4096
+_CACHED_STRING_CHARS = 200
 
 
 def _key_value(key: str, value: Any) -> bytes:
@@ -150,7 +152,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     parts = []
     for key, value in attributes.items():
         try:
-            if isinstance(value, str):
+            if isinstance(value, str) and len(value) <= _CACHED_STRING_CHARS:
                 parts.append(_string_attribute(tag, key, value))
                 continue
             kv = _key_value(key, value)
