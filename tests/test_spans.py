@@ -182,3 +182,50 @@ def test_a_lost_executions_stand_in_keeps_its_identity_and_only_when_sampled(pip
     # Under a provider the engine's spans are not installed on: nothing either.
     spans.uninstall()
     assert not telemetry.lost_execution(run, lost, **kwargs)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_started_with_no_span_active_is_still_one_trace(memory_spans):
+    """A script, the demo seeder or a fork outside a request starts a run with no span
+    active: the run gets a root span of its own, and every execution hangs under it, even
+    when a delivery from another trace (a sweep re-enqueuing it) executes it."""
+    from opentelemetry import trace
+
+    from durability import operations
+    from durability.testing import drive
+
+    def traceparent(span) -> str:
+        context = span.get_span_context() if hasattr(span, "get_span_context") else span.context
+        return f"{context.trace_id:032x}-{context.span_id:016x}"
+
+    def ids(run) -> str:
+        return run.trace_parent.split("-", 1)[1].rsplit("-", 1)[0]
+
+    run = operations.start("test-ticker", {"n": 2}, by="script")
+    [root] = [s for s in memory_spans.get_finished_spans() if s.name == "start test-ticker"]
+    assert root.parent is None and root.attributes["durability.agent.name"] == "test-ticker"
+    assert ids(run) == traceparent(root)
+    with trace.get_tracer("t").start_as_current_span("sweep") as sweep:
+        drive(run.id)
+    executions = [s for s in memory_spans.get_finished_spans() if s.name == "run test-ticker"]
+    assert executions
+    for execution in executions:
+        assert execution.parent.span_id == root.context.span_id
+        assert execution.context.trace_id == root.context.trace_id
+        assert [link.context.span_id for link in execution.links] == [
+            sweep.get_span_context().span_id
+        ]
+
+    # Under an active span (a request, a CLI command), that span is the run's parent.
+    memory_spans.clear()
+    with trace.get_tracer("t").start_as_current_span("request") as request:
+        started = operations.start("test-ticker", {"n": 1}, by="web")
+        forked = operations.fork(run.id, 1, by="web")
+    assert ids(started) == ids(forked) == traceparent(request)
+    assert [s.name for s in memory_spans.get_finished_spans()] == ["request"]
+
+    # A fork with none active gets its own root, naming the run it came from.
+    forked = operations.fork(run.id, 1, by="script")
+    [root] = [s for s in memory_spans.get_finished_spans() if s.name == "fork test-ticker"]
+    assert root.attributes["durability.fork.source"] == str(run.id)
+    assert ids(forked) == traceparent(root)
