@@ -121,23 +121,13 @@ def _key_value(key: str, value: Any) -> bytes:
         head = _str_field(b"\x0a", key) if key else b""  # proto3 leaves out an empty string
         if len(_KEYS) < _CACHE_BOUND:
             _KEYS[key] = head
-    cls = type(value)
-    if cls is int and _INT64_MIN <= value <= _INT64_MAX:
-        if 0 <= value < 0x80:
-            return head + b"\x12\x02\x18" + _SMALL[value]
-        inner = b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)
-    else:
-        inner = _value(value)
-    n = len(inner)
-    return head + b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + inner
+    return head + _field(b"\x12", _value(value))
 
 
 def _string_attribute(tag: bytes, key: str, value: str) -> bytes:
     cached = _STRINGS.get((tag, key, value))
     if cached is None:
-        kv = _key_value(key, value)
-        n = len(kv)
-        cached = tag + (_SMALL[n] if n < 0x80 else _varint(n)) + kv
+        cached = _field(tag, _key_value(key, value))
         if len(_STRINGS) >= _CACHE_BOUND:
             _STRINGS.clear()
         _STRINGS[(tag, key, value)] = cached
@@ -155,12 +145,9 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
             if isinstance(value, str) and len(value) <= _CACHED_STRING_CHARS:
                 parts.append(_string_attribute(tag, key, value))
                 continue
-            kv = _key_value(key, value)
+            parts.append(_field(tag, _key_value(key, value)))
         except Exception as exc:  # noqa: BLE001 - the SDK skips the attribute, not the span
             log.exception("Failed to encode key %s: %s", key, exc)
-            continue
-        n = len(kv)
-        parts.append(tag + (_SMALL[n] if n < 0x80 else _varint(n)) + kv)
     return b"".join(parts)
 
 
@@ -244,26 +231,17 @@ def _scope(scope: Any) -> bytes:
 
 
 # Resources and scopes are a handful of long-lived objects: their encoded heads are kept.
-_HEADS: dict[tuple[int, Any], bytes] = {}
+_HEADS: dict[tuple[str, Any], bytes] = {}
 
 
-def _resource_head(resource: Any) -> bytes:
-    key = (0, resource)
-    head = _HEADS.get(key)
+def _head(kind: str, obj: Any) -> bytes:
+    """The encoded Resource (``kind`` "resource") or InstrumentationScope field."""
+    head = _HEADS.get((kind, obj))
     if head is None:
-        head = _field(b"\x0a", _attributes(b"\x0a", resource.attributes))
+        content = _attributes(b"\x0a", obj.attributes) if kind == "resource" else _scope(obj)
+        head = _field(b"\x0a", content)
         if len(_HEADS) < 1024:
-            _HEADS[key] = head
-    return head
-
-
-def _scope_head(scope: Any) -> bytes:
-    key = (1, scope)
-    head = _HEADS.get(key)
-    if head is None:
-        head = _field(b"\x0a", _scope(scope))
-        if len(_HEADS) < 1024:
-            _HEADS[key] = head
+            _HEADS[(kind, obj)] = head
     return head
 
 
@@ -282,9 +260,9 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
         encoded.append(_span(span))
     out = []
     for resource, by_scope in grouped.items():
-        parts = [_resource_head(resource)]
+        parts = [_head("resource", resource)]
         for scope, encoded in by_scope.items():
-            inner = [_scope_head(scope)]
+            inner = [_head("scope", scope)]
             inner += [_field(b"\x12", s) for s in encoded]
             if scope is not None and scope.schema_url:
                 inner.append(_str_field(b"\x1a", scope.schema_url))
