@@ -72,8 +72,10 @@ def load_pair(older: Checkpoint, newer: Checkpoint) -> tuple[Loaded, Loaded]:
     try:
         ops = Mutation.objects.filter(checkpoint=newer).values_list("ops", flat=True).first()
         # A second copy from the verified bytes: patching must not touch the older state.
-        state = diff.apply(canonical.loads(data), canonical.loads(ops or "[]"))
-        same_state = canonical.sha256_hex(canonical.dumps(state)) == newer.state_hash
+        state = diff.apply_own(canonical.loads(data), canonical.loads(ops or "[]"))
+        same_state = canonical.patched(older.state_hash, (ops or "[]").encode()) == (
+            newer.state_hash
+        )
         same_chain = checkpoints.chain_of(newer, older.chain_hash) == newer.chain_hash
     except Exception:  # a patch that does not apply: let the engine say why
         return first, load(newer)

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -96,6 +96,11 @@ def link(
     )
 
 
+def seal(state_hash: str, state_bytes: bytes) -> str:
+    """The digest a snapshot of the state ``state_hash`` is stored with."""
+    return canonical.seal(state_hash, state_bytes, hmac_key())
+
+
 def chain_of(cp: Checkpoint, parent_chain: str) -> str:
     return link(
         parent_chain,
@@ -124,11 +129,10 @@ def write_snapshot_checkpoint(
     schema_version: int,
     agent_version: str,
     by: str = "",
-    ops: list | None = None,
     fingerprint: tuple[str, str] = ("", ""),
 ) -> Checkpoint:
-    """Write a checkpoint whose full state is stored (start, fork, rollback, upgrade). The
-    caller holds the transaction and has fenced the run."""
+    """Write a checkpoint stored whole (a run's start, a fork): its state hash is its
+    canonical bytes' hash. The caller holds the transaction and has fenced the run."""
     state_hash = canonical.sha256_hex(state_bytes)
     chain = link(
         parent.chain_hash if parent else "",
@@ -140,7 +144,6 @@ def write_snapshot_checkpoint(
         schema_version=schema_version,
         agent_version=agent_version,
     )
-    ops_bytes = canonical.dumps(ops or [])
     cp = Checkpoint.objects.create(
         run=run,
         seq=seq,
@@ -155,12 +158,14 @@ def write_snapshot_checkpoint(
         config_hash=fingerprint[0],
         packages=fingerprint[1],
         size=len(state_bytes),
-        delta_size=len(ops_bytes),
+        delta_size=len(canonical.EMPTY_PATCH),
         delta_run=0,
         created_by=by,
     )
-    Mutation.objects.create(checkpoint=cp, ops=ops_bytes.decode(), count=len(ops or []))
-    Snapshot.objects.create(checkpoint=cp, state=state_bytes.decode())
+    Mutation.objects.create(checkpoint=cp, ops=canonical.EMPTY_PATCH.decode(), count=0)
+    Snapshot.objects.create(
+        checkpoint=cp, state=state_bytes.decode(), digest=seal(state_hash, state_bytes)
+    )
     return cp
 
 
@@ -184,8 +189,10 @@ class StepCommit:
     prev_commit_us: int | None
     lease_seconds: float
     upgraded_from: int | None = None
-    # The full state, when this checkpoint is written as a snapshot in the same statement.
+    # The full state, when this checkpoint is written as a snapshot in the same statement,
+    # and the digest that seals it.
     snapshot: bytes | None = None
+    snapshot_digest: str = ""
     durability: str = "strict"
     config_hash: str = ""
     packages: str = ""
@@ -239,7 +246,8 @@ SELECT id FROM c
 _LEASE_KEEP = "lease_expires_at = now() + %(lease)s::float8 * interval '1 second', attempts = 1,"
 _LEASE_END = "lease_expires_at = NULL, lease_owner = '', finished_at = now(), attempts = 0,"
 _SNAPSHOT = """, s AS (
-    INSERT INTO durability_snapshot (checkpoint_id, state) SELECT c.id, %(snapshot)s::text FROM c
+    INSERT INTO durability_snapshot (checkpoint_id, state, digest)
+    SELECT c.id, %(snapshot)s::text, %(digest)s::text FROM c
 )"""
 _EVENTS_CONTINUE = "('checkpoint', %(data)s::text)"
 _EVENTS_FINISH = "('checkpoint', %(data)s::text), ('succeeded', '')"
@@ -422,6 +430,7 @@ def _params(c: StepCommit, data: str, raw: bool = False) -> dict[str, Any]:
         "data": data,
         "prev_us": c.prev_commit_us,
         "snapshot": c.snapshot if raw or c.snapshot is None else c.snapshot.decode(),
+        "digest": c.snapshot_digest,
     }
 
 
@@ -511,7 +520,7 @@ def _commit_orm(c: StepCommit, data: str) -> int:
     )
     Mutation.objects.create(checkpoint=cp, ops=c.ops_bytes.decode(), count=c.ops_count)
     if c.snapshot is not None:
-        Snapshot.objects.create(checkpoint=cp, state=c.snapshot.decode())
+        Snapshot.objects.create(checkpoint=cp, state=c.snapshot.decode(), digest=c.snapshot_digest)
     events = [
         Event(
             run_id=c.run_id,
@@ -569,16 +578,22 @@ class Rebuilt:
     bytes_read: int
     deltas: int
     snapshot_id: int
+    # What ``verified_state`` checks the rebuild against: the snapshot's bytes, its digest
+    # and its checkpoint's state hash, and the patches applied after it, in order.
+    snapshot: str = ""
+    digest: str = ""
+    base_hash: str = ""
+    patches: list[str] = field(default_factory=list)
 
 
 _CHAIN_SQL = """
-WITH RECURSIVE chain(id, parent_id, depth, snap) AS (
+WITH RECURSIVE chain(id, parent_id, depth, snap, state_hash) AS (
     SELECT c.id, c.parent_id, 0,
-           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = c.id)
+           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = c.id), c.state_hash
       FROM durability_checkpoint c WHERE c.id = %s
     UNION ALL
     SELECT p.id, p.parent_id, chain.depth + 1,
-           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = p.id)
+           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = p.id), p.state_hash
       FROM durability_checkpoint p JOIN chain ON p.id = chain.parent_id
      WHERE chain.snap IS NULL
 )
@@ -586,7 +601,11 @@ SELECT chain.id, chain.snap,
        CASE WHEN chain.snap IS NULL
             THEN (SELECT m.ops FROM durability_mutation m WHERE m.checkpoint_id = chain.id)
             ELSE (SELECT s.state FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
-       END
+       END,
+       CASE WHEN chain.snap IS NULL THEN NULL
+            ELSE (SELECT s.digest FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
+       END,
+       chain.state_hash
   FROM chain ORDER BY chain.depth DESC
 """
 
@@ -599,7 +618,7 @@ def rebuild(checkpoint_id: int) -> Rebuilt:
         rows = cur.fetchall()
     if not rows:
         raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} does not exist")
-    first_id, snap, text = rows[0]
+    first_id, snap, text, digest, base_hash = rows[0]
     if snap is None or text is None:
         raise IntegrityViolation(
             f"checkpoint id {first_id} has no snapshot ancestor; its history is incomplete"
@@ -607,16 +626,28 @@ def rebuild(checkpoint_id: int) -> Rebuilt:
     state = canonical.loads(text)
     read = len(text)
     ops: list = []
-    for _, _, patch in rows[1:]:
+    patches: list[str] = []
+    for _, _, patch, _, _ in rows[1:]:
         if patch is None:
             raise IntegrityViolation(f"a checkpoint on the path to {checkpoint_id} lost its patch")
         read += len(patch)
+        patches.append(patch)
         ops.extend(canonical.loads(patch))
     # The patches' own shape (add, remove, replace with explicit indices) applied directly:
     # building jsonpatch's objects for a thousand deltas dominated a large run's page. The
-    # result is checked against the state hash by every caller that trusts it.
+    # same function proved, when each patch was written, that it reproduces its state byte
+    # for byte; ``verified_state`` checks the bytes read here against the hashes.
     state = diff.apply_own(state, ops)
-    return Rebuilt(state=state, bytes_read=read, deltas=len(rows) - 1, snapshot_id=first_id)
+    return Rebuilt(
+        state=state,
+        bytes_read=read,
+        deltas=len(rows) - 1,
+        snapshot_id=first_id,
+        snapshot=text,
+        digest=digest or "",
+        base_hash=base_hash,
+        patches=patches,
+    )
 
 
 def checkpoint(run_id: Any, seq: int) -> Checkpoint:
@@ -627,7 +658,10 @@ def checkpoint(run_id: Any, seq: int) -> Checkpoint:
 
 
 def verified_state(cp: Checkpoint) -> tuple[Any, bytes, Rebuilt]:
-    """Rebuild a checkpoint and check it against its hashes before anyone uses it.
+    """Rebuild a checkpoint and check it against its hashes before anyone uses it: the
+    snapshot it starts from against its digest, each patch after it through the state
+    hashes they chain, the result against the checkpoint's state hash, and that hash
+    against the chain.
 
     Raises ``IntegrityViolation`` naming the first checkpoint that does not verify."""
     try:
@@ -637,8 +671,13 @@ def verified_state(cp: Checkpoint) -> tuple[Any, bytes, Rebuilt]:
         raise
     except Exception as exc:  # a patch that no longer applies, bytes that no longer parse
         raise _first_bad(cp, f"cannot be rebuilt ({type(exc).__name__}: {exc})") from None
-    if canonical.sha256_hex(data) != cp.state_hash:
-        raise _first_bad(cp, "its rebuilt state does not match its state hash")
+    if seal(rebuilt.base_hash, rebuilt.snapshot.encode()) != rebuilt.digest:
+        raise _first_bad(cp, "the snapshot it is rebuilt from does not match its digest")
+    state_hash = rebuilt.base_hash
+    for patch in rebuilt.patches:
+        state_hash = canonical.patched(state_hash, patch.encode())
+    if state_hash != cp.state_hash:
+        raise _first_bad(cp, "the patches it is rebuilt from do not lead to its state hash")
     parent_chain = cp.parent_chain or (cp.parent.chain_hash if cp.parent_id else "")
     if chain_of(cp, parent_chain) != cp.chain_hash:
         raise _first_bad(cp, "its chain hash does not match its contents")
@@ -673,11 +712,15 @@ def needs_snapshot(delta_run: int, size: int) -> bool:
 INLINE_SNAPSHOT_BYTES = 64 * 1024
 
 
-def store_snapshot(checkpoint_id: int, state_bytes: bytes) -> None:
+def store_snapshot(checkpoint_id: int, state_hash: str, state_bytes: bytes) -> None:
     fault("in_snapshot", checkpoint=checkpoint_id)
     try:
         with transaction.atomic():
-            Snapshot.objects.create(checkpoint_id=checkpoint_id, state=state_bytes.decode())
+            Snapshot.objects.create(
+                checkpoint_id=checkpoint_id,
+                state=state_bytes.decode(),
+                digest=seal(state_hash, state_bytes),
+            )
     except IntegrityError:
         pass  # already there
 
@@ -689,23 +732,25 @@ class SnapshotWriter:
     writes the missing snapshot itself (see ``executor``)."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, str, bytes] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, checkpoint_id: int, state_bytes: bytes) -> None:
+    def submit(self, checkpoint_id: int, state_hash: str, state_bytes: bytes) -> None:
+        """Store ``state_bytes`` as the snapshot of the checkpoint whose state hash is
+        ``state_hash`` (sealing it hashes the whole state: here, off the step's path)."""
         if connection.vendor != "postgresql":
             # One writer at a time on SQLite: written here, after the commit. A failure must
             # not reach the step loop, which would take the committed step for a failed one
             # and run it again on its own output; the next rebuild writes what is missing.
             try:
-                store_snapshot(checkpoint_id, state_bytes)
+                store_snapshot(checkpoint_id, state_hash, state_bytes)
             except Exception:
                 log.warning("snapshot of checkpoint %s not written", checkpoint_id, exc_info=True)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="snapshots", daemon=True)
             self._thread.start()
-        self._queue.put((checkpoint_id, state_bytes))
+        self._queue.put((checkpoint_id, state_hash, state_bytes))
 
     def _loop(self) -> None:
         from django.db import connection as thread_connection

@@ -597,7 +597,7 @@ class Execution:
         if self.base_id is None:
             self.base_id = checkpoint_id
         if pending.snapshot_bytes is not None:
-            self.snapshots.submit(checkpoint_id, pending.snapshot_bytes)
+            self.snapshots.submit(checkpoint_id, pending.commit.state_hash, pending.snapshot_bytes)
         if self.failed_commits:
             self._report_failed_commits(pending.seq)
 
@@ -725,7 +725,7 @@ class Execution:
         self.input = canonical.loads(self.row.input)
         if rebuilt.deltas and rebuilt.bytes_read > 2 * len(data):
             # A snapshot the policy asked for was lost with its process: write it now.
-            self.snapshots.submit(cp.id, data)
+            self.snapshots.submit(cp.id, cp.state_hash, data)
             self.head.delta_run = 0
         self.data = data
         self.pristine = state
@@ -794,7 +794,7 @@ class Execution:
                     f"the patch of step {step!r} does not reproduce its state",
                     run_id=self.run_id,
                 )
-        state_hash = canonical.sha256_hex(new_bytes)
+        state_hash = canonical.patched(head.state_hash, ops_bytes)
         seq = head.seq + 1
         chain = checkpoints.link(
             head.chain_hash,
@@ -834,6 +834,7 @@ class Execution:
             lease_seconds=leases.lease_seconds(),
             upgraded_from=self.upgraded_from,
             snapshot=new_bytes if inline else None,
+            snapshot_digest=checkpoints.seal(state_hash, new_bytes) if inline else "",
             durability=self.row.durability,
             config_hash=self.fingerprint[0],
             packages=self.fingerprint[1],
@@ -896,7 +897,7 @@ class Execution:
         self.upgraded_from = None
         if snapshot_now:
             if not inline and checkpoint_id is not None:
-                self.snapshots.submit(checkpoint_id, new_bytes)
+                self.snapshots.submit(checkpoint_id, state_hash, new_bytes)
             self.head.delta_run = 0
         if checkpoint_id is not None:
             fault("after_commit", run=self.run_id, step=step, seq=seq)

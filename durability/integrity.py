@@ -1,19 +1,33 @@
-"""``verify``: walk a run's checkpoints, rebuild each state and recompute both hashes.
+"""``verify``: walk a run's checkpoints and check every stored byte against the hashes.
 
-The first checkpoint whose bytes do not match is named, with why. A snapshot is checked
-against its own hash and against the state its parent's patches produce, so a corrupted
-snapshot and a corrupted patch are both found.
+Each checkpoint is checked against what it was made from:
+
+- stored as a patch on its parent: its state hash must be the parent's chained with the
+  patch's bytes (``canonical.patched``), and the patch must apply;
+- stored whole (a start, a fork): its state hash must be its snapshot's SHA-256;
+- a snapshot must match its digest (``canonical.seal``), and where the parent's state and
+  the patch also give the state, the two must be the same bytes, so a snapshot that drifted
+  from its history is found even where its digest was recomputed;
+- its chain hash must link its contents to its parent's chain hash.
+
+The first checkpoint that does not verify is named, with why.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from durability import canonical, diff
-from durability.checkpoints import chain_of
+from durability.checkpoints import chain_of, seal
 from durability.models import Checkpoint, Mutation, Snapshot
+
+
+class Verified(NamedTuple):
+    state: Any
+    chain: str
+    state_hash: str
 
 
 @dataclass
@@ -48,11 +62,11 @@ def verify_run(run_id: Any, *, upto: int | None = None) -> Report:
         Snapshot.objects.filter(checkpoint__run_id=run_id).values_list("checkpoint_id", flat=True)
     )
     # States still needed by a later child; a linear run keeps only one in memory.
-    states: dict[int, tuple[Any, str]] = {}
+    states: dict[int, Verified] = {}
     for cp in checkpoints:
         report.checked += 1
         shared = bool(cp.parent_id) and children.get(cp.parent_id, 0) > 1
-        problem, state, chain = _check(cp, states, ops_of, snapshot_ids, shared)
+        problem, verified = _check(cp, states, ops_of, snapshot_ids, shared)
         if problem:
             report.problems.append((cp.seq, problem))
             if report.first_bad is None:
@@ -61,58 +75,66 @@ def verify_run(run_id: Any, *, upto: int | None = None) -> Report:
             children[cp.parent_id] -= 1
             if children[cp.parent_id] <= 0:
                 states.pop(cp.parent_id, None)
-        if state is not None and children.get(cp.id):
-            states[cp.id] = (state, chain)
+        if verified is not None and children.get(cp.id):
+            states[cp.id] = verified
     return report
 
 
 def _check(
     cp: Checkpoint,
-    states: dict[int, tuple[Any, str]],
+    states: dict[int, Verified],
     ops_of: dict[int, str],
     snapshot_ids: set[int],
     shared: bool,
-) -> tuple[str, Any, str]:
-    """Returns (problem or "", the verified state or None, the recomputed chain hash)."""
+) -> tuple[str, Verified | None]:
+    """Returns (the problem or "", what later checkpoints may build on)."""
     # A compacted checkpoint's patch was made on a parent that is gone: its snapshot is it.
-    parent = states.get(cp.parent_id) if cp.parent_id and not cp.parent_chain else None
+    compacted = bool(cp.parent_chain)
+    parent = states.get(cp.parent_id) if cp.parent_id and not compacted else None
     from_parent = None
     if parent is not None:
         text = ops_of.get(cp.id)
         if text is None:
-            return "its mutation log is missing", None, ""
+            return "its mutation log is missing", None
+        if canonical.patched(parent.state_hash, text.encode()) != cp.state_hash:
+            return "its state hash does not follow from its parent's and its patch", None
         try:
-            base = parent[0]
+            base = parent.state
             if shared:  # the parent's state serves another child too (after a rollback)
                 base = canonical.loads(canonical.dumps(base))
             from_parent = diff.apply(base, canonical.loads(text))
         except Exception as exc:
-            return f"its patch does not apply ({type(exc).__name__}: {exc})", None, ""
+            return f"its patch does not apply ({type(exc).__name__}: {exc})", None
     snapshot_state = None
     if cp.id in snapshot_ids:
-        raw = Snapshot.objects.filter(checkpoint_id=cp.id).values_list("state", flat=True).first()
+        raw, digest = Snapshot.objects.filter(checkpoint_id=cp.id).values_list("state", "digest")[0]
+        data = raw.encode()
+        if not cp.parent_id and canonical.sha256_hex(data) != cp.state_hash:
+            return "its snapshot does not match its state hash", None
+        if seal(cp.state_hash, data) != digest:
+            return "its snapshot does not match its digest", None
         try:
-            data = raw.encode()
-            if canonical.sha256_hex(data) != cp.state_hash:
-                return "its snapshot does not match its state hash", None, ""
             snapshot_state = canonical.loads(data)
         except Exception as exc:
-            return f"its snapshot does not parse ({type(exc).__name__})", None, ""
+            return f"its snapshot does not parse ({type(exc).__name__})", None
+        if from_parent is not None and canonical.dumps(from_parent) != data:
+            return "its snapshot differs from the state its patch produces", None
     state = from_parent if from_parent is not None else snapshot_state
     if state is None:
-        return "its parent could not be verified, so neither can it", None, ""
-    if from_parent is not None and canonical.sha256_hex(canonical.dumps(from_parent)) != (
-        cp.state_hash
-    ):
-        return "the state its patch produces does not match its state hash", None, ""
-    parent_chain = parent[1] if parent is not None else ""
-    if cp.parent_chain:
+        if cp.parent_id and not compacted:
+            return "its parent could not be verified, so neither can it", None
+        return "it has no snapshot to rebuild it from", None
+    if compacted:
         parent_chain = cp.parent_chain
-    elif cp.parent_id and parent is None:
-        # Verifying from the middle (``upto``) or after an earlier failure: trust nothing
-        # above, but the row's own link can still be checked against its stored parent.
+    elif parent is not None:
+        parent_chain = parent.chain
+    elif cp.parent_id:
+        # After an earlier failure: trust nothing above, but the row's own link can still
+        # be checked against its stored parent.
         parent_chain = cp.parent.chain_hash
+    else:
+        parent_chain = ""
     chain = chain_of(cp, parent_chain)
     if chain != cp.chain_hash:
-        return "its chain hash does not match its contents", None, ""
-    return "", state, chain
+        return "its chain hash does not match its contents", None
+    return "", Verified(state, chain, cp.state_hash)

@@ -198,6 +198,9 @@ class Checkpoint(models.Model):
     )
     step = models.CharField(max_length=200, blank=True, default="", help_text="producing step")
     next_step = models.CharField(max_length=200, blank=True, default="")
+    # SHA-256 of the canonical state for a checkpoint stored whole (a start, a fork); for
+    # one stored as a patch, SHA-256 over its parent's state hash and the patch's bytes
+    # (``canonical.patched``): it commits to the state at the cost of the change.
     state_hash = models.CharField(max_length=64)
     chain_hash = models.CharField(max_length=64)
     schema_version = models.IntegerField(default=1)
@@ -256,6 +259,10 @@ class Snapshot(models.Model):
         Checkpoint, primary_key=True, on_delete=models.CASCADE, related_name="snapshot"
     )
     state = models.TextField(help_text="canonical JSON, exactly the bytes that were hashed")
+    # ``canonical.seal``: these bytes bound to their checkpoint's state hash (an HMAC with
+    # DURABILITY_HMAC_KEY). A checkpoint stored as a patch has a state hash chained over
+    # patches, not over its whole state, so its snapshot needs a check of its own.
+    digest = models.CharField(max_length=64, blank=True, default="", db_default="")
 
 
 class CallKind(models.TextChoices):

@@ -235,7 +235,11 @@ def _compact(run: Run, removable: list[int]) -> None:
                 continue
             if not Snapshot.objects.filter(checkpoint=cp).exists():
                 state, data, _ = checkpoints.verified_state(cp)
-                Snapshot.objects.create(checkpoint=cp, state=data.decode())
+                Snapshot.objects.create(
+                    checkpoint=cp,
+                    state=data.decode(),
+                    digest=checkpoints.seal(cp.state_hash, data),
+                )
             ancestor = cps[cp.parent_id]
             parent_chain = cp.parent_chain or ancestor.chain_hash
             while ancestor is not None and ancestor.id in gone:

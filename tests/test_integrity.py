@@ -1,0 +1,225 @@
+"""The state hash chained over patches, sealed snapshots, and what ``verify`` and
+rehydration make of bytes changed in the database (and of the migration that re-seals
+checkpoints written under the old rule)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+
+from durability import END, Agent, canonical, checkpoints, operations, registry
+from durability.errors import IntegrityViolation
+from durability.integrity import verify_run
+from durability.models import Checkpoint, Mutation, Run, RunStatus, Snapshot
+from durability.testing import drive, state_of
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BIG = 70 * 1024  # over INLINE_SNAPSHOT_BYTES: the snapshot thread writes these states
+
+
+@pytest.fixture(autouse=True)
+def agents():
+    registry.unregister("hash-grow")
+    registry.unregister("hash-big")
+    # The padding keeps the patches lighter than the state: no snapshot but the first.
+    grow = Agent("hash-grow", initial_state=lambda inp: {"log": [], "n": 0, "pad": "p" * 5000})
+
+    @grow.step(start=True)
+    def add(state, ctx):
+        state["n"] += 1
+        state["log"].append(f"line {state['n']} " + "x" * 100)
+        return "add" if state["n"] < int(ctx.input.get("n", 6)) else END
+
+    big = Agent("hash-big", initial_state=lambda inp: {"blob": "b" * BIG, "n": 0, "log": []})
+
+    @big.step(start=True)
+    def churn(state, ctx):
+        state["n"] += 1
+        # Each patch is about a third of the state: a snapshot is due every few steps.
+        state["log"] = [f"{state['n']}" + "y" * (BIG // 3)]
+        return "churn" if state["n"] < 8 else END
+
+
+def hashes(run):
+    rows = Checkpoint.objects.filter(run=run).order_by("seq")
+    return {cp.seq: cp for cp in rows}
+
+
+def ops_of(cp) -> bytes:
+    return Mutation.objects.get(checkpoint=cp).ops.encode()
+
+
+def test_the_state_hash_follows_the_patches_from_the_starting_state():
+    run = operations.start("hash-grow", {"n": 6})
+    drive(run.id)
+    cps = hashes(run)
+    start = Snapshot.objects.get(checkpoint=cps[0]).state.encode()
+    assert cps[0].state_hash == canonical.sha256_hex(start)
+    for seq in range(1, 7):
+        expected = canonical.patched(cps[seq - 1].state_hash, ops_of(cps[seq]))
+        assert cps[seq].state_hash == expected
+        # Not the whole state's hash: that would cost the state's size on every step.
+        whole = canonical.sha256_hex(canonical.dumps(state_of(run.id, seq)))
+        assert cps[seq].state_hash != whole
+    assert verify_run(run.id).ok
+
+
+def test_a_rollback_keeps_its_targets_state_hash_and_verifies():
+    run = operations.start("hash-grow", {"n": 4})
+    drive(run.id)
+    operations.rollback(run.id, 2, by="op", reason="try again")
+    cps = hashes(run)
+    assert cps[5].state_hash == cps[2].state_hash and ops_of(cps[5]) == b"[]"
+    drive(run.id)
+    assert verify_run(run.id).ok
+    assert state_of(run.id) == state_of(run.id, 4)
+
+
+def test_a_snapshot_written_off_the_step_path_is_sealed_and_rebuilds_verify():
+    run = operations.start("hash-big", {})
+    drive(run.id)
+    snapped = Snapshot.objects.filter(checkpoint__run=run, checkpoint__seq__gt=0)
+    assert snapped.exists()  # the policy asked for some, and the thread wrote them
+    for snap in snapped.select_related("checkpoint"):
+        cp = snap.checkpoint
+        assert snap.digest == checkpoints.seal(cp.state_hash, snap.state.encode())
+        state, data, rebuilt = checkpoints.verified_state(cp)
+        assert rebuilt.snapshot_id == cp.id and data == snap.state.encode()
+    head = Checkpoint.objects.get(run=run, seq=8)
+    state, _, rebuilt = checkpoints.verified_state(head)
+    assert state["n"] == 8 and verify_run(run.id).ok
+
+
+def corrupt_snapshot(run) -> Checkpoint:
+    """Change the snapshot the run's head is rebuilt from (one the thread wrote)."""
+    head = Checkpoint.objects.get(run=run, seq=run.head_seq)
+    snap = Snapshot.objects.select_related("checkpoint").get(
+        checkpoint_id=checkpoints.rebuild(head.id).snapshot_id
+    )
+    assert snap.checkpoint.seq > 0
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE durability_snapshot SET state = replace(state, '\"n\":', '\"N\":')"
+            " WHERE checkpoint_id = %s",
+            [snap.checkpoint_id],
+        )
+    return snap.checkpoint
+
+
+def test_a_changed_snapshot_is_named_and_never_rehydrated():
+    run = drive(operations.start("hash-big", {}).id)
+    bad = corrupt_snapshot(run)
+    report = verify_run(run.id)
+    assert report.first_bad == (bad.seq, "its snapshot does not match its digest")
+    # Rehydrating anything rebuilt from that snapshot names it, and nothing runs.
+    Run.objects.filter(pk=run.id).update(status=RunStatus.FAILED)
+    with pytest.raises(IntegrityViolation) as err:
+        operations.resume(run.id)
+    assert f"checkpoint #{bad.seq} does not verify" in str(err.value)
+    assert Run.objects.get(pk=run.id).status == RunStatus.FAILED
+
+
+def test_a_snapshot_forged_with_its_digest_still_differs_from_its_history(settings):
+    """Without the HMAC key anyone with the database can recompute a digest; the
+    snapshot still has to be the state its parent and its patch give."""
+    run = drive(operations.start("hash-big", {}).id)
+    bad = corrupt_snapshot(run)
+    forged = Snapshot.objects.get(checkpoint=bad)
+    forged.digest = checkpoints.seal(bad.state_hash, forged.state.encode())
+    forged.save(update_fields=["digest"])
+    report = verify_run(run.id)
+    assert report.first_bad == (bad.seq, "its snapshot differs from the state its patch produces")
+
+
+def test_with_the_hmac_key_a_recomputed_digest_does_not_pass(settings):
+    settings.DURABILITY_HMAC_KEY = "kept-outside-the-database"
+    run = drive(operations.start("hash-big", {}).id)
+    assert verify_run(run.id).ok
+    bad = corrupt_snapshot(run)
+    forged = Snapshot.objects.get(checkpoint=bad)
+    # What someone without the key can compute:
+    forged.digest = canonical.seal(bad.state_hash, forged.state.encode())
+    forged.save(update_fields=["digest"])
+    assert verify_run(run.id).first_bad == (bad.seq, "its snapshot does not match its digest")
+
+
+def test_a_changed_patch_is_named_at_its_own_checkpoint():
+    run = operations.start("hash-grow", {"n": 6})
+    drive(run.id)
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE durability_mutation SET ops = replace(ops, 'line 3', 'line 9')"
+            " WHERE checkpoint_id = %s",
+            [Checkpoint.objects.get(run=run, seq=3).pk],
+        )
+    report = verify_run(run.id)
+    assert report.first_bad == (3, "its state hash does not follow from its parent's and its patch")
+    with pytest.raises(IntegrityViolation) as err:
+        checkpoints.verified_state(Checkpoint.objects.get(run=run, seq=5))
+    assert "checkpoint #3 does not verify" in str(err.value)
+    # The checkpoints before it still rebuild.
+    checkpoints.verified_state(Checkpoint.objects.get(run=run, seq=2))
+
+
+# --- the migration that re-seals checkpoints written under the old rule ---------------------
+
+BEFORE = [("durability", "0005_run_composite_indexes_only")]
+AFTER = [("durability", "0006_snapshot_digest_patch_chained_hashes")]
+
+
+def migrate(target):
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(target)
+
+
+def whole_hashes(run) -> dict[int, str]:
+    return {
+        seq: canonical.sha256_hex(canonical.dumps(state_of(run.id, seq)))
+        for seq in Checkpoint.objects.filter(run=run).values_list("seq", flat=True)
+    }
+
+
+@pytest.fixture
+def latest_schema_after():
+    yield
+    migrate(AFTER)
+
+
+def test_the_migration_reseals_both_ways_and_leaves_a_tampered_run_named(latest_schema_after):
+    good = operations.start("hash-big", {})
+    drive(good.id)
+    tampered = operations.start("hash-grow", {"n": 6})
+    drive(tampered.id)
+    states = {run.id: whole_hashes(run) for run in (good, tampered)}
+    rolled = operations.start("hash-grow", {"n": 3})
+    drive(rolled.id)
+    operations.rollback(rolled.id, 1, by="op")
+    drive(rolled.id)
+
+    migrate(BEFORE)  # back to the old rule: every state hash the whole state's
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT run_id, seq, state_hash FROM durability_checkpoint"
+            " WHERE run_id IN (%s, %s)",
+            [good.id, tampered.id],
+        )
+        for run_id, seq, state_hash in cur.fetchall():
+            assert state_hash == states[run_id][seq], (run_id, seq)
+        # Written under the old rule, then changed in the database:
+        cur.execute(
+            "UPDATE durability_mutation SET ops = replace(ops, 'line 4', 'line 8')"
+            " WHERE checkpoint_id = (SELECT id FROM durability_checkpoint"
+            " WHERE run_id = %s AND seq = 4)",
+            [tampered.id],
+        )
+
+    migrate(AFTER)
+    assert verify_run(good.id).ok and verify_run(rolled.id).ok
+    assert state_of(good.id)["n"] == 8
+    # The migration rewrote only what checked out: the change is still found where it is.
+    report = verify_run(tampered.id)
+    assert report.first_bad is not None and report.first_bad[0] == 4
+    assert verify_run(tampered.id, upto=3).ok
