@@ -202,8 +202,7 @@ def test_the_migration_reseals_both_ways_and_leaves_a_tampered_run_named(latest_
     migrate(BEFORE)  # back to the old rule: every state hash the whole state's
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT run_id, seq, state_hash FROM durability_checkpoint"
-            " WHERE run_id IN (%s, %s)",
+            "SELECT run_id, seq, state_hash FROM durability_checkpoint WHERE run_id IN (%s, %s)",
             [good.id, tampered.id],
         )
         for run_id, seq, state_hash in cur.fetchall():
