@@ -216,6 +216,9 @@ WITH {cfg}r AS (
            updated_at = now()
      WHERE id = %(run)s::uuid AND lease_token = %(token)s::bigint
        AND head_seq = %(head_seq)s::integer{cfg_ref}
+       AND EXISTS (SELECT FROM durability_checkpoint p
+                    WHERE p.run_id = %(run)s::uuid AND p.seq = %(head_seq)s::integer
+                      AND p.id = %(parent)s::bigint)
  RETURNING id, head_seq
 ), c AS (
     INSERT INTO durability_checkpoint
@@ -391,7 +394,7 @@ def fetch_one_prepared(sql: str, params: dict[str, Any]) -> tuple | None:
 def _commit_pg(c: StepCommit, data: str) -> int:
     row = fetch_one_prepared(_statement(c), _params(c, data))
     if row is None:
-        raise _fenced(c.run_id, c.token, c.head.seq)
+        raise _fenced(c.run_id, c.token, c.head.seq, c.head.id)
     return row[0]
 
 
@@ -451,9 +454,20 @@ def can_send_ahead(c: StepCommit) -> bool:
     )
 
 
-def send_step(c: StepCommit) -> None:
+def bind_step(c: StepCommit) -> inflight.Bound:
+    """The commit of one step, ready to send as soon as its parent's id and the previous
+    commit's latency are known (``send_step``): the rest is converted while the previous
+    commit is still in flight, not after its answer."""
+    return inflight.channel().bind(_statement(c), _params(c, _facts(c), raw=True))
+
+
+def send_step(c: StepCommit, bound: inflight.Bound | None = None) -> None:
     """Send the commit of one step; ``step_answer`` takes its outcome."""
-    inflight.channel().send(_statement(c), _params(c, _facts(c), raw=True))
+    if bound is None:
+        bound = bind_step(c)
+    bound.set("parent", c.head.id)
+    bound.set("prev_us", c.prev_commit_us)
+    inflight.channel().send_bound(bound)
 
 
 def step_ready() -> bool:
@@ -466,13 +480,14 @@ def step_answer(c: StepCommit) -> int:
     that failed; Django's database errors if the connection failed on the way."""
     row = inflight.channel().answer()
     if row is None:
-        raise _fenced(c.run_id, c.token, c.head.seq)
+        raise _fenced(c.run_id, c.token, c.head.seq, c.head.id)
     return int(row[0])
 
 
 def _commit_orm(c: StepCommit, data: str) -> int:
     from datetime import timedelta
 
+    from django.db.models import Exists
     from django.db.models.functions import Now
 
     now = timezone.now()
@@ -493,11 +508,14 @@ def _commit_orm(c: StepCommit, data: str) -> int:
             status=RunStatus.RUNNING,
             lease_expires_at=now + timedelta(seconds=c.lease_seconds),
         )
-    updated = Run.objects.filter(pk=c.run_id, lease_token=c.token, head_seq=c.head.seq).update(
-        **fields
+    is_head = Checkpoint.objects.filter(run_id=c.run_id, seq=c.head.seq, pk=c.head.id)
+    updated = (
+        Run.objects.filter(pk=c.run_id, lease_token=c.token, head_seq=c.head.seq)
+        .filter(Exists(is_head))
+        .update(**fields)
     )
     if not updated:
-        raise _fenced(c.run_id, c.token, c.head.seq)
+        raise _fenced(c.run_id, c.token, c.head.seq, c.head.id)
     cp = Checkpoint.objects.create(
         run_id=c.run_id,
         seq=c.head.seq + 1,
@@ -542,7 +560,7 @@ def _commit_orm(c: StepCommit, data: str) -> int:
     return cp.id
 
 
-def _fenced(run_id: Any, token: int, head_seq: int) -> FencedOut:
+def _fenced(run_id: Any, token: int, head_seq: int, parent: int | None = None) -> FencedOut:
     current = Run.objects.filter(pk=run_id).values("lease_token", "head_seq", "status").first()
     if current is None:
         return FencedOut("the run no longer exists", run_id=run_id, guard="run")
@@ -552,6 +570,14 @@ def _fenced(run_id: Any, token: int, head_seq: int) -> FencedOut:
             f" {current['status']}): another worker or an operator took the run",
             run_id=run_id,
             guard="lease",
+        )
+    if current["head_seq"] == head_seq and parent is not None:
+        head = Checkpoint.objects.filter(run_id=run_id, seq=head_seq).values_list("id", flat=True)
+        return FencedOut(
+            f"checkpoint id {parent} is not the run's head #{head_seq}"
+            f" (that is checkpoint id {head.first()})",
+            run_id=run_id,
+            guard="parent",
         )
     return FencedOut(
         f"head moved from #{head_seq} to #{current['head_seq']} under this worker",

@@ -788,7 +788,8 @@ class Execution:
             before = canonical.loads(self.data)
             ops = diff.diff(before, live, strict=True)
             ops_bytes = canonical.dumps(ops)
-            pristine = diff.apply(before, canonical.loads(ops_bytes))
+            # Proven with the function rehydration rebuilds with.
+            pristine = diff.apply_own(before, canonical.loads(ops_bytes))
             if canonical.dumps(pristine) != new_bytes:  # pragma: no cover - a bug if reached
                 raise IntegrityViolation(
                     f"the patch of step {step!r} does not reproduce its state",
@@ -813,7 +814,6 @@ class Execution:
         inline = snapshot_now and (
             self.upgraded_from is not None or len(new_bytes) <= checkpoints.INLINE_SNAPSHOT_BYTES
         )
-        self._settle()  # the commit in flight, if any, is this one's parent
         commit = StepCommit(
             run_id=self.run_id,
             token=self.token,
@@ -830,7 +830,7 @@ class Execution:
             schema_version=agent.schema_version,
             agent_version=agent.version,
             commit_id=uuid.uuid4(),
-            prev_commit_us=self.prev_commit_us,
+            prev_commit_us=None,  # the commit in flight's, known once it is answered
             lease_seconds=leases.lease_seconds(),
             upgraded_from=self.upgraded_from,
             snapshot=new_bytes if inline else None,
@@ -841,11 +841,17 @@ class Execution:
             replay_base_id=replay[0] if replay else None,
             replay_counters=replay[1] if replay else "",
         )
-        if ahead and checkpoints.can_send_ahead(commit):
+        ahead = ahead and checkpoints.can_send_ahead(commit)
+        # Converted for the wire while the commit in flight is still on the server: between
+        # its answer and this send, the server waits for the worker.
+        bound = checkpoints.bind_step(commit) if ahead else None
+        self._settle()  # the commit in flight, if any, is this one's parent
+        commit.prev_commit_us = self.prev_commit_us
+        if bound is not None:
             span = telemetry.start_commit(self.run_id, seq, len(new_bytes), len(ops_bytes), inline)
             sent_at = time.perf_counter()
             try:
-                checkpoints.send_step(commit)
+                checkpoints.send_step(commit, bound)
             except DB_DOWN:
                 # Nothing may have reached the server: the usual recovery decides, and the
                 # span covers it (it ends with the commit's fate, not the send's).

@@ -65,6 +65,18 @@ def _text(value: Any) -> bytes | None:
     return str(value).encode()
 
 
+class Bound:
+    """A statement with its parameters converted for the wire."""
+
+    __slots__ = ("names", "query", "values")
+
+    def __init__(self, query: bytes, names: list[str], values: list[bytes | None]) -> None:
+        self.query, self.names, self.values = query, names, values
+
+    def set(self, name: str, value: Any) -> None:
+        self.values[self.names.index(name)] = _text(value)
+
+
 class Channel:
     """One connection, at most one statement in flight on it."""
 
@@ -95,18 +107,28 @@ class Channel:
             self.busy = False
         return self._raw.pgconn
 
+    def bind(self, sql: str, params: dict[str, Any]) -> Bound:
+        """``sql`` (written with ``%(name)s`` placeholders) and its parameters as they go on
+        the wire, to send later; a parameter known only then is set with ``Bound.set``."""
+        numbered_sql = self._statements.get(sql)
+        if numbered_sql is None:
+            numbered_sql = self._statements[sql] = numbered(sql)
+        query, names = numbered_sql
+        return Bound(query, names, [_text(params[name]) for name in names])
+
     def send(self, sql: str, params: dict[str, Any]) -> None:
-        """Queue ``sql`` (written with ``%(name)s`` placeholders) and flush it to the server.
+        """Queue ``sql`` and flush it to the server."""
+        self.send_bound(self.bind(sql, params))
+
+    def send_bound(self, bound: Bound) -> None:
+        """Queue a bound statement and flush it to the server.
 
         A session found dead before the statement was wholly sent is replaced once: the
         server runs nothing it did not receive whole, so sending again cannot run it twice."""
         if self.busy:  # an answer nobody took (an execution cut short): read it away first
             self.discard()
         self._drop_if_dead()
-        if sql not in self._statements:
-            self._statements[sql] = numbered(sql)
-        query, names = self._statements[sql]
-        values = [_text(params[name]) for name in names]
+        query, values = bound.query, bound.values
         try:
             self._send(query, values)
         except errors.OperationalError:

@@ -180,18 +180,38 @@ class CheckpointReason(models.TextChoices):
     FORK = "fork", "fork"
 
 
+# The rows one checkpoint commit writes (the checkpoint, its mutation log, its snapshot and
+# its event) reference the run and the parent without database constraints. The commit is one
+# statement whose writes all hang on its fenced UPDATE of the run: each row's run is the row
+# that statement updated, the mutation's and snapshot's checkpoint is the row it inserted, and
+# the parent must be the run's head (a condition of the UPDATE itself, stronger than a foreign
+# key). A foreign key would check again what the statement proved, with a trigger and a row
+# lock each, about 8% of the commit's server time (bench.overhead). Deletes still cascade
+# (Django's collector), and retention deletes runs only through it.
+
+
 class Checkpoint(models.Model):
     """Immutable. Its full state is the nearest snapshot on its ancestor path with the
     mutations of every checkpoint after it applied in order."""
 
     id = models.BigAutoField(primary_key=True)
     # Indexed through the (run, seq) constraint; a second index would only slow commits.
+    # No database constraint: see the note above.
     run = models.ForeignKey(
-        Run, on_delete=models.CASCADE, related_name="checkpoints", db_index=False
+        Run,
+        on_delete=models.CASCADE,
+        related_name="checkpoints",
+        db_index=False,
+        db_constraint=False,
     )
     seq = models.IntegerField()
     parent = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="children",
+        db_constraint=False,
     )
     reason = models.CharField(
         max_length=16, choices=CheckpointReason.choices, default=CheckpointReason.STEP
@@ -244,8 +264,13 @@ class Mutation(models.Model):
     """The mutation log: one checkpoint's RFC 6902 operations, stored once. It is both the
     delta that rebuilds the state and the audit trail of how it changed."""
 
+    # No database constraint: see the note above Checkpoint.
     checkpoint = models.OneToOneField(
-        Checkpoint, primary_key=True, on_delete=models.CASCADE, related_name="mutation"
+        Checkpoint,
+        primary_key=True,
+        on_delete=models.CASCADE,
+        related_name="mutation",
+        db_constraint=False,
     )
     ops = models.TextField(help_text="canonical JSON: a list of RFC 6902 operations")
     count = models.IntegerField(default=0)
@@ -255,8 +280,13 @@ class Snapshot(models.Model):
     """A checkpoint's full state, written for the first checkpoint of a run and, off the hot
     path, whenever the patches since the last snapshot outweigh the state."""
 
+    # No database constraint: see the note above Checkpoint.
     checkpoint = models.OneToOneField(
-        Checkpoint, primary_key=True, on_delete=models.CASCADE, related_name="snapshot"
+        Checkpoint,
+        primary_key=True,
+        on_delete=models.CASCADE,
+        related_name="snapshot",
+        db_constraint=False,
     )
     state = models.TextField(help_text="canonical JSON, exactly the bytes that were hashed")
     # ``canonical.seal``: these bytes bound to their checkpoint's state hash (an HMAC with
@@ -508,8 +538,11 @@ class Event(models.Model):
     log (rows with an ``actor``) and of the SLO figures."""
 
     id = models.BigAutoField(primary_key=True)
-    # Indexed through (run, id), which also serves the timeline's order.
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
+    # Indexed through (run, id), which also serves the timeline's order. No database
+    # constraint: see the note above Checkpoint.
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="events", db_index=False, db_constraint=False
+    )
     kind = models.CharField(max_length=32, choices=EventKind.choices)
     seq = models.IntegerField(null=True, blank=True, help_text="checkpoint it concerns")
     step = models.CharField(max_length=200, blank=True, default="")

@@ -4,14 +4,16 @@ checkpoints written under the old rule)."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
 from durability import END, Agent, canonical, checkpoints, operations, registry
-from durability.errors import IntegrityViolation
+from durability.errors import FencedOut, IntegrityViolation
 from durability.integrity import verify_run
-from durability.models import Checkpoint, Mutation, Run, RunStatus, Snapshot
+from durability.models import Checkpoint, Event, Mutation, Run, RunStatus, Snapshot
 from durability.testing import drive, state_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -222,3 +224,98 @@ def test_the_migration_reseals_both_ways_and_leaves_a_tampered_run_named(latest_
     report = verify_run(tampered.id)
     assert report.first_bad is not None and report.first_bad[0] == 4
     assert verify_run(tampered.id, upto=3).ok
+
+
+# --- what the commit statement checks in place of foreign keys ------------------------------
+
+
+def step_commit(run: Run, cp: Checkpoint, **overrides) -> checkpoints.StepCommit:
+    """A commit of one step on ``cp``, as a worker holding lease token 7 would send it."""
+    ops = canonical.dumps([{"op": "replace", "path": "/n", "value": 99}])
+    fields = {
+        "run_id": run.pk,
+        "token": 7,
+        "head": checkpoints.Head.of(cp),
+        "worker": "t",
+        "step": "add",
+        "next_step": "add",
+        "ops_bytes": ops,
+        "ops_count": 1,
+        "state_hash": canonical.patched(cp.state_hash, ops),
+        "chain_hash": "c" * 64,
+        "size": cp.size,
+        "delta_run": len(ops),
+        "schema_version": 1,
+        "agent_version": cp.agent_version,
+        "commit_id": uuid.uuid4(),
+        "prev_commit_us": None,
+        "lease_seconds": 30,
+    }
+    fields.update(overrides)
+    return checkpoints.StepCommit(**fields)
+
+
+@pytest.mark.smoke
+def test_a_commit_on_a_checkpoint_that_is_not_the_head_writes_nothing():
+    run = operations.start("hash-grow", {"n": 3})
+    drive(run.id)
+    Run.objects.filter(pk=run.pk).update(lease_token=7, status=RunStatus.RUNNING)
+    run.refresh_from_db()
+    head = Checkpoint.objects.get(run=run, seq=run.head_seq)
+    older = Checkpoint.objects.get(run=run, seq=1)
+    before = (Checkpoint.objects.count(), Mutation.objects.count(), Event.objects.count())
+    # The worker's idea of the head is wrong (same seq, another checkpoint's id).
+    wrong = checkpoints.Head.of(head)
+    wrong.id = older.id
+    with pytest.raises(FencedOut) as err:
+        checkpoints.commit_step(step_commit(run, head, head=wrong))
+    assert err.value.guard == "parent"
+    assert f"checkpoint id {older.id} is not the run's head #{head.seq}" in str(err.value)
+    # A checkpoint id that does not exist at all.
+    missing = checkpoints.Head.of(head)
+    missing.id = 10**12
+    with pytest.raises(FencedOut):
+        checkpoints.commit_step(step_commit(run, head, head=missing))
+    after = (Checkpoint.objects.count(), Mutation.objects.count(), Event.objects.count())
+    assert after == before and Run.objects.get(pk=run.pk).head_seq == head.seq
+    # The right head commits.
+    checkpoints.commit_step(step_commit(run, head))
+    assert Run.objects.get(pk=run.pk).head_seq == head.seq + 1
+
+
+def test_deleting_a_run_leaves_no_row_behind():
+    run = operations.start("hash-big", {})
+    drive(run.id)
+    operations.rollback(run.id, 2, by="op")
+    ids = list(Checkpoint.objects.filter(run=run).values_list("id", flat=True))
+    assert Snapshot.objects.filter(checkpoint_id__in=ids).count() > 1
+    Checkpoint.objects.filter(run=run).update(parent=None)  # as retention does
+    Run.objects.get(pk=run.pk).delete()
+    assert not Checkpoint.objects.filter(id__in=ids).exists()
+    assert not Mutation.objects.filter(checkpoint_id__in=ids).exists()
+    assert not Snapshot.objects.filter(checkpoint_id__in=ids).exists()
+    assert not Event.objects.filter(run_id=run.pk).exists()
+
+
+def test_a_compaction_that_did_not_happen_does_not_excuse_a_changed_patch():
+    """A compacted checkpoint's patch cannot be checked (its parent is gone); naming the
+    present parent's chain as the gone one's must not turn that off for any other."""
+    run = drive(operations.start("hash-big", {}).id)
+    snap = (
+        Snapshot.objects.filter(checkpoint__run=run, checkpoint__seq__gt=0)
+        .select_related("checkpoint__parent")
+        .first()
+    )
+    cp = snap.checkpoint
+    Checkpoint.objects.filter(pk=cp.pk).update(parent_chain=cp.parent.chain_hash)
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE durability_mutation SET ops = replace(ops, 'yyy', 'zzz')"
+            " WHERE checkpoint_id = %s",
+            [cp.pk],
+        )
+    report = verify_run(run.id)
+    assert report.first_bad == (
+        cp.seq,
+        "its state hash does not follow from its parent's and its patch",
+    )
