@@ -89,8 +89,14 @@ def _check(
 ) -> tuple[str, Verified | None]:
     """Returns (the problem or "", what later checkpoints may build on)."""
     # A compacted checkpoint's patch was made on a parent that is gone: its snapshot is it.
-    compacted = bool(cp.parent_chain)
-    parent = states.get(cp.parent_id) if cp.parent_id and not compacted else None
+    # Its recorded parent chain is then the gone parent's, never its present parent's: one
+    # that names its present parent's chain claims a compaction that did not happen, and
+    # its patch is checked like any other.
+    verified_parent = states.get(cp.parent_id) if cp.parent_id else None
+    compacted = bool(cp.parent_chain) and (
+        verified_parent is None or verified_parent.chain != cp.parent_chain
+    )
+    parent = verified_parent if not compacted else None
     from_parent = None
     if parent is not None:
         text = ops_of.get(cp.id)
