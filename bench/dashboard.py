@@ -293,7 +293,14 @@ def seed(args: argparse.Namespace) -> dict[str, Any]:
             },
         )
         copier.add("mutation", {"checkpoint_id": checkpoint_id, "ops": "[]", "count": 0})
-        copier.add("snapshot", {"checkpoint_id": checkpoint_id, "state": state_bytes.decode()})
+        copier.add(
+            "snapshot",
+            {
+                "checkpoint_id": checkpoint_id,
+                "state": state_bytes.decode(),
+                "digest": checkpoints.seal(state_hash, state_bytes),
+            },
+        )
         copier.add(
             "event",
             {
@@ -330,7 +337,7 @@ def seed(args: argparse.Namespace) -> dict[str, Any]:
             ]
             ops_bytes = canonical.dumps(ops)
             state_bytes = canonical.dumps(state)
-            state_hash = canonical.sha256_hex(state_bytes)
+            state_hash = canonical.patched(state_hash, ops_bytes)
             step = "search" if seq < steps - 1 else "summarise"
             next_step = "search" if seq < steps - 1 else ("" if status == "succeeded" else "review")
             chain = checkpoints.link(
@@ -373,7 +380,12 @@ def seed(args: argparse.Namespace) -> dict[str, Any]:
             )
             if snapshot:
                 copier.add(
-                    "snapshot", {"checkpoint_id": checkpoint_id, "state": state_bytes.decode()}
+                    "snapshot",
+                    {
+                        "checkpoint_id": checkpoint_id,
+                        "state": state_bytes.decode(),
+                        "digest": checkpoints.seal(state_hash, state_bytes),
+                    },
                 )
                 delta_run = 0
             copier.add(
@@ -501,14 +513,19 @@ def diff_states(rnd: random.Random) -> tuple[dict, dict]:
 
 
 def seed_diff_run(copier: Copier, rnd: random.Random, first_id: int, now: datetime) -> str:
-    from durability import canonical, checkpoints
+    from durability import canonical, checkpoints, diff
 
     run_id = uuid.UUID(int=rnd.getrandbits(128))
     old, new = diff_states(rnd)
     chain = ""
+    ops_of = {0: canonical.EMPTY_PATCH, 1: canonical.dumps(diff.diff(old, new))}
     for seq, state in enumerate((old, new)):
         state_bytes = canonical.dumps(state)
-        state_hash = canonical.sha256_hex(state_bytes)
+        ops_bytes = ops_of[seq]
+        if seq == 0:
+            state_hash = canonical.sha256_hex(state_bytes)
+        else:
+            state_hash = canonical.patched(state_hash, ops_bytes)
         chain = checkpoints.link(
             chain,
             state_hash,
@@ -534,15 +551,29 @@ def seed_diff_run(copier: Copier, rnd: random.Random, first_id: int, now: dateti
                 "schema_version": 1,
                 "agent_version": "1",
                 "size": len(state_bytes),
-                "delta_size": 2,
+                "delta_size": len(ops_bytes),
                 "delta_run": 0,
                 "created_by": "bench",
                 "created_at": now,
             },
         )
-        copier.add("mutation", {"checkpoint_id": first_id + seq, "ops": "[]", "count": 0})
+        copier.add(
+            "mutation",
+            {
+                "checkpoint_id": first_id + seq,
+                "ops": ops_bytes.decode(),
+                "count": len(canonical.loads(ops_bytes)),
+            },
+        )
         # Both stored whole: the page pays two full rebuilds, as the issue asks.
-        copier.add("snapshot", {"checkpoint_id": first_id + seq, "state": state_bytes.decode()})
+        copier.add(
+            "snapshot",
+            {
+                "checkpoint_id": first_id + seq,
+                "state": state_bytes.decode(),
+                "digest": checkpoints.seal(state_hash, state_bytes),
+            },
+        )
     copier.add(
         "run",
         {
@@ -559,6 +590,22 @@ def seed_diff_run(copier: Copier, rnd: random.Random, first_id: int, now: dateti
         },
     )
     return str(run_id)
+
+
+def check_seeded(facts: dict[str, Any]) -> None:
+    """The pages verify every state they show: a seeded history that did not verify would
+    have them render an error instead, and flatter every figure. Refuse to measure that."""
+    from durability import checkpoints
+    from durability.integrity import verify_run
+    from durability.models import Checkpoint
+
+    for run_id in (facts["diff_run"], *facts["largest"][:1], *facts["runs"][:3]):
+        report = verify_run(run_id)
+        if not report.ok:
+            raise SystemExit(f"seeded data does not verify: {report}")
+    for run_id in facts["largest"]:
+        head = Checkpoint.objects.filter(run_id=run_id).order_by("-seq").first()
+        checkpoints.verified_state(head)
 
 
 def analyze() -> None:
@@ -808,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
             f"database: {n_runs:,} runs, {n_cps:,} checkpoints; the largest run has {most:,}"
             f" checkpoints; the largest state is {biggest / 1e6:.2f} MB"
         )
+        check_seeded(facts)
         summary = time_diff(facts["diff_run"])
         connection.close()
 
