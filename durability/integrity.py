@@ -98,6 +98,14 @@ def _check(
     )
     parent = verified_parent if not compacted else None
     from_parent = None
+    if compacted and cp.parent_state:
+        # The gone parent's state hash was kept: the patch, the audit trail of this step, is
+        # still checked against this checkpoint's state hash.
+        text = ops_of.get(cp.id)
+        if text is None:
+            return "its mutation log is missing", None
+        if canonical.patched(cp.parent_state, text.encode()) != cp.state_hash:
+            return "its state hash does not follow from its gone parent's and its patch", None
     if parent is not None:
         text = ops_of.get(cp.id)
         if text is None:

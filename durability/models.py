@@ -231,6 +231,9 @@ class Checkpoint(models.Model):
     # Set by compaction when it removed this checkpoint's parent: the parent's chain hash, so
     # the link can still be checked (the checkpoint then carries a snapshot of its own).
     parent_chain = models.CharField(max_length=64, blank=True, default="", db_default="")
+    # And that parent's state hash, so that this checkpoint's patch can still be checked
+    # against its own state hash (blank if compacted before it was kept).
+    parent_state = models.CharField(max_length=64, blank=True, default="", db_default="")
     # Periodic level: a checkpoint forced in the middle of a period (before an effect or a
     # suspension) lets the step it interrupted keep its operations' identities: the base they
     # were recorded under and the occurrence counters as the step began.

@@ -242,9 +242,12 @@ def _compact(run: Run, removable: list[int]) -> None:
                 )
             ancestor = cps[cp.parent_id]
             parent_chain = cp.parent_chain or ancestor.chain_hash
+            parent_state = cp.parent_state if cp.parent_chain else ancestor.state_hash
             while ancestor is not None and ancestor.id in gone:
                 ancestor = cps.get(ancestor.parent_id) if ancestor.parent_id else None
-            Checkpoint.objects.filter(pk=cp.pk).update(parent=ancestor, parent_chain=parent_chain)
+            Checkpoint.objects.filter(pk=cp.pk).update(
+                parent=ancestor, parent_chain=parent_chain, parent_state=parent_state
+            )
         Checkpoint.objects.filter(pk__in=gone).update(parent=None)
         Mutation.objects.filter(checkpoint_id__in=gone).delete()
         Checkpoint.objects.filter(pk__in=gone).delete()

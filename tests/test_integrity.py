@@ -15,6 +15,7 @@ from durability.errors import FencedOut, IntegrityViolation
 from durability.integrity import verify_run
 from durability.models import Checkpoint, Event, Mutation, Run, RunStatus, Snapshot
 from durability.testing import drive, state_of
+from tests.tampering import rewrite
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -101,12 +102,7 @@ def corrupt_snapshot(run) -> Checkpoint:
         checkpoint_id=checkpoints.rebuild(head.id).snapshot_id
     )
     assert snap.checkpoint.seq > 0
-    with connection.cursor() as cur:
-        cur.execute(
-            "UPDATE durability_snapshot SET state = replace(state, '\"n\":', '\"N\":')"
-            " WHERE checkpoint_id = %s",
-            [snap.checkpoint_id],
-        )
+    rewrite("snapshot", snap.checkpoint_id, '"n":', '"N":')
     return snap.checkpoint
 
 
@@ -150,12 +146,7 @@ def test_with_the_hmac_key_a_recomputed_digest_does_not_pass(settings):
 def test_a_changed_patch_is_named_at_its_own_checkpoint():
     run = operations.start("hash-grow", {"n": 6})
     drive(run.id)
-    with connection.cursor() as cur:
-        cur.execute(
-            "UPDATE durability_mutation SET ops = replace(ops, 'line 3', 'line 9')"
-            " WHERE checkpoint_id = %s",
-            [Checkpoint.objects.get(run=run, seq=3).pk],
-        )
+    rewrite("mutation", Checkpoint.objects.get(run=run, seq=3).pk, "line 3", "line 9")
     report = verify_run(run.id)
     assert report.first_bad == (3, "its state hash does not follow from its parent's and its patch")
     with pytest.raises(IntegrityViolation) as err:
@@ -168,13 +159,14 @@ def test_a_changed_patch_is_named_at_its_own_checkpoint():
 # --- the migration that re-seals checkpoints written under the old rule ---------------------
 
 BEFORE = [("durability", "0005_run_composite_indexes_only")]
-AFTER = [("durability", "0006_snapshot_digest_patch_chained_hashes")]
 
 
-def migrate(target):
+def migrate(target=None):
+    """To ``target``, or to the latest migration (0006 re-seals, and the code under test
+    needs every later one too)."""
     executor = MigrationExecutor(connection)
     executor.loader.build_graph()
-    executor.migrate(target)
+    executor.migrate(target or executor.loader.graph.leaf_nodes("durability"))
 
 
 def whole_hashes(run) -> dict[int, str]:
@@ -187,7 +179,7 @@ def whole_hashes(run) -> dict[int, str]:
 @pytest.fixture
 def latest_schema_after():
     yield
-    migrate(AFTER)
+    migrate()
 
 
 def test_the_migration_reseals_both_ways_and_leaves_a_tampered_run_named(latest_schema_after):
@@ -217,7 +209,7 @@ def test_the_migration_reseals_both_ways_and_leaves_a_tampered_run_named(latest_
             [tampered.id],
         )
 
-    migrate(AFTER)
+    migrate()
     assert verify_run(good.id).ok and verify_run(rolled.id).ok
     assert state_of(good.id)["n"] == 8
     # The migration rewrote only what checked out: the change is still found where it is.
@@ -308,12 +300,7 @@ def test_a_compaction_that_did_not_happen_does_not_excuse_a_changed_patch():
     )
     cp = snap.checkpoint
     Checkpoint.objects.filter(pk=cp.pk).update(parent_chain=cp.parent.chain_hash)
-    with connection.cursor() as cur:
-        cur.execute(
-            "UPDATE durability_mutation SET ops = replace(ops, 'yyy', 'zzz')"
-            " WHERE checkpoint_id = %s",
-            [cp.pk],
-        )
+    rewrite("mutation", cp.pk, "yyy", "zzz")
     report = verify_run(run.id)
     assert report.first_bad == (
         cp.seq,

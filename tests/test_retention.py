@@ -112,6 +112,25 @@ def test_compaction_keeps_every_remaining_state_and_the_chain():
     assert head.state_hash == before[30]
 
 
+def test_a_compacted_checkpoints_patch_is_still_checked():
+    """Its parent is gone, but the parent's state hash was kept: the mutation log, the audit
+    trail of that step, cannot be rewritten unnoticed."""
+    from durability.integrity import verify_run
+    from tests.tampering import rewrite
+
+    run = operations.start("x-compact", {})
+    drive(run.id)
+    age(run.id, 10)
+    prune()
+    head = Checkpoint.objects.get(run=run, seq=30)
+    assert head.parent_chain and head.parent_state
+    rewrite("mutation", head.pk, "xxx", "yyy")
+    assert verify_run(run.id).first_bad == (
+        30,
+        "its state hash does not follow from its gone parent's and its patch",
+    )
+
+
 def test_a_held_run_is_never_compacted():
     run = operations.start("x-compact", {})
     drive(run.id)
