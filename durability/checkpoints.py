@@ -742,6 +742,11 @@ def store_snapshot(checkpoint_id: int, state_hash: str, state_bytes: bytes) -> N
     fault("in_snapshot", checkpoint=checkpoint_id)
     try:
         with transaction.atomic():
+            # Locked, so that a checkpoint compaction or retention is removing is not given
+            # a snapshot after it is gone.
+            exists = Checkpoint.objects.select_for_update().filter(pk=checkpoint_id)
+            if exists.values_list("pk", flat=True).first() is None:
+                return
             Snapshot.objects.create(
                 checkpoint_id=checkpoint_id,
                 state=state_bytes.decode(),

@@ -9,8 +9,9 @@ over exactly these bytes). State transitions live in ``durability.operations`` a
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
-from django.db import models
+from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import Q
 
 
@@ -180,14 +181,16 @@ class CheckpointReason(models.TextChoices):
     FORK = "fork", "fork"
 
 
-# The rows one checkpoint commit writes (the checkpoint, its mutation log, its snapshot and
-# its event) reference the run and the parent without database constraints. The commit is one
-# statement whose writes all hang on its fenced UPDATE of the run: each row's run is the row
-# that statement updated, the mutation's and snapshot's checkpoint is the row it inserted, and
-# the parent must be the run's head (a condition of the UPDATE itself, stronger than a foreign
-# key). A foreign key would check again what the statement proved, with a trigger and a row
-# lock each, about 8% of the commit's server time (bench.overhead). Deletes still cascade
-# (Django's collector), and retention deletes runs only through it.
+# A checkpoint's references to its run and its parent, and its mutation log's and snapshot's
+# to it, carry no database constraint. The step commit, one statement, writes them all on its
+# fenced UPDATE of the run: the run is the row it updated, the checkpoint the row it
+# inserted, and the parent must be the run's head (a condition of the UPDATE itself, stronger
+# than a foreign key). Every other writer holds the run's row lock (start and fork create the
+# run in the same transaction; rollback, compaction and retention's deletes lock it first)
+# or, the snapshot thread, the checkpoint's. A foreign key would check again what these
+# prove, with a trigger and a row lock each: about 8% of the commit's server time. Deletes
+# cascade through Django's collector. Events are written from many more places: those that
+# are not the step commit check their run as they write (``Event.save``).
 
 
 class Checkpoint(models.Model):
@@ -536,13 +539,41 @@ class RateBucket(models.Model):
     updated_at = models.DateTimeField()
 
 
+def _check_runs_exist(run_ids: set[Any], using: str) -> None:
+    """An event's foreign key, kept by its writers instead of a trigger on every insert.
+
+    The step commit writes its event on the run its fenced UPDATE returned, so it needs no
+    check. Every other writer comes here, inside its transaction: on PostgreSQL the run rows
+    are locked as a foreign key would lock them (FOR KEY SHARE: a delete waits for the
+    event's transaction, or the event sees the run gone); SQLite runs one writer at a time."""
+    db = connections[using]
+    ids = [uuid.UUID(str(run_id)) for run_id in run_ids]
+    if db.vendor == "postgresql":
+        with db.cursor() as cur:
+            cur.execute("SELECT id FROM durability_run WHERE id = ANY(%s) FOR KEY SHARE", [ids])
+            found = {row[0] for row in cur.fetchall()}
+    else:
+        found = set(Run.objects.using(using).filter(pk__in=ids).values_list("pk", flat=True))
+    missing = sorted(str(run_id) for run_id in ids if run_id not in found)
+    if missing:
+        raise IntegrityError(f"no run {', '.join(missing)}: an event needs its run")
+
+
+class EventQuerySet(models.QuerySet):
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Event]:
+        objs = list(objs)
+        with transaction.atomic(using=self.db):
+            _check_runs_exist({obj.run_id for obj in objs}, self.db)
+            return super().bulk_create(objs, *args, **kwargs)
+
+
 class Event(models.Model):
     """Append-only timeline of a run: the source of the dashboard's timeline, of the audit
     log (rows with an ``actor``) and of the SLO figures."""
 
     id = models.BigAutoField(primary_key=True)
     # Indexed through (run, id), which also serves the timeline's order. No database
-    # constraint: see the note above Checkpoint.
+    # constraint: its writers check the run (``_check_runs_exist``).
     run = models.ForeignKey(
         Run, on_delete=models.CASCADE, related_name="events", db_index=False, db_constraint=False
     )
@@ -564,3 +595,14 @@ class Event(models.Model):
             # The audit log: operator actions only, a small part of a large table.
             models.Index(fields=["-id"], name="event_audit", condition=~Q(actor="")),
         ]
+
+    objects = EventQuerySet.as_manager()
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.adding:  # append-only: only an insert needs its run
+            super().save(*args, **kwargs)
+            return
+        using = kwargs.get("using") or router.db_for_write(Event, instance=self)
+        with transaction.atomic(using=using):
+            _check_runs_exist({self.run_id}, using)
+            super().save(*args, **kwargs)

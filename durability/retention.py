@@ -96,9 +96,11 @@ def prune(*, dry_run: bool = False, now: Any = None, limit: int = 1000) -> Prune
                 if not _family_done(run):
                     report.skipped[str(run.id)] = "a parent or child run is still going"
                     continue
-                report.runs_deleted.append(str(run.id))
-                if not dry_run:
-                    _delete(run)
+                run_id = str(run.id)  # a deleted instance forgets its id
+                if not dry_run and not _delete(run):
+                    report.skipped[run_id] = CHANGED
+                    continue
+                report.runs_deleted.append(run_id)
         if agent.keep_checkpoints == "snapshots":
             cutoff = now - timedelta(days=agent.compact_after_days)
             candidates = Run.objects.filter(_prunable(), agent=agent.name).exclude(
@@ -111,9 +113,10 @@ def prune(*, dry_run: bool = False, now: Any = None, limit: int = 1000) -> Prune
                 if not verify_run(run.id).ok:
                     report.skipped[str(run.id)] = "it does not verify; compaction would hide that"
                     continue
+                if not dry_run and not _compact(run, removable):
+                    report.skipped[str(run.id)] = CHANGED
+                    continue
                 report.compacted[str(run.id)] = len(removable)
-                if not dry_run:
-                    _compact(run, removable)
     collect_blobs(report, now=now)
     return report
 
@@ -177,7 +180,24 @@ def collect_blobs(report: PruneReport, *, now: Any) -> None:
             report.blobs_deleted.append(digest)
 
 
-def _delete(run: Run) -> None:
+CHANGED = "an operator acted on it while it was being pruned (a rollback, a resume)"
+
+
+def _still_as_decided(run: Run, tree: list[Any]) -> bool:
+    """Lock the runs prune is about to change and check that none moved since it decided.
+
+    An operator's rollback or resume makes a finished run active again and moves its head;
+    it locks the run row first, and so does this: the two never interleave. (Nothing else
+    would stop them: a rollback's new head may name a checkpoint compaction is removing.)"""
+    locked = {r.id: r for r in Run.objects.select_for_update().filter(pk__in=tree).order_by("id")}
+    current = locked.get(run.id)
+    if current is None or current.head_seq != run.head_seq:
+        return False
+    return all(r.status in FINISHED and not r.legal_hold for r in locked.values())
+
+
+def _delete(run: Run) -> bool:
+    """Delete a run and its children; False if one of them changed since prune chose it."""
     with transaction.atomic():
         tree, frontier = [run.id], [run.id]
         while frontier:  # child runs go with their parent
@@ -185,9 +205,12 @@ def _delete(run: Run) -> None:
                 Run.objects.filter(parent_run_id__in=frontier).values_list("id", flat=True)
             )
             tree.extend(frontier)
+        if not _still_as_decided(run, tree):
+            return False
         # Checkpoints protect their parents: unlink them before the cascade.
         Checkpoint.objects.filter(run_id__in=tree).update(parent=None)
         run.delete()
+    return True
 
 
 def _removable(run: Run, cutoff: Any) -> list[int]:
@@ -224,9 +247,12 @@ def _removable(run: Run, cutoff: Any) -> list[int]:
     ]
 
 
-def _compact(run: Run, removable: list[int]) -> None:
+def _compact(run: Run, removable: list[int]) -> bool:
+    """Remove ``removable``; False (nothing done) if the run changed since they were chosen."""
     gone = set(removable)
     with transaction.atomic():
+        if not _still_as_decided(run, [run.id]):
+            return False
         cps = {cp.id: cp for cp in Checkpoint.objects.filter(run=run)}
         survivors = [cp for cp in cps.values() if cp.id not in gone]
         # A survivor whose parent goes: snapshot it and link it to the nearest survivor up.
@@ -264,6 +290,7 @@ def _compact(run: Run, removable: list[int]) -> None:
             actor="retention",
             data=canonical.dumps({"removed": len(gone)}).decode(),
         )
+    return True
 
 
 def hold(ref: Any, *, on: bool = True, by: str = "", reason: str = "") -> Run:

@@ -159,3 +159,103 @@ def test_compaction_keeps_the_checkpoints_effects_and_messages_belong_to():
     assert Effect.objects.get(pk=effect.pk).status == EffectStatus.DONE
     assert Message.objects.get(pk=message.pk).consumed_base_id == message.consumed_base_id
     assert operations.verify(run.id)[0].ok
+
+
+# --- an operator acting on a run while prune works on it -----------------------------------
+
+
+def test_a_run_rolled_back_after_prune_chose_it_is_neither_compacted_nor_deleted():
+    from durability import retention
+
+    run = drive(operations.start("x-compact", {}).id)
+    age(run.id, 40)
+    chosen = Run.objects.get(pk=run.id)  # as prune read it
+    removable = retention._removable(chosen, timezone.now() - timedelta(days=7))
+    target = Checkpoint.objects.get(pk=removable[len(removable) // 2])
+    operations.rollback(run.id, target.seq, by="op", reason="look again")
+    assert retention._compact(chosen, removable) is False
+    assert retention._delete(chosen) is False
+    run.refresh_from_db()
+    head = Checkpoint.objects.get(run=run, seq=run.head_seq)
+    assert head.parent_id == target.id and Checkpoint.objects.filter(pk=target.id).exists()
+    assert operations.verify(run.id)[0].ok and operations.state_at(run.id)["n"] == target.seq
+
+
+def test_a_rollback_waits_for_a_compaction_in_progress_and_never_names_a_removed_parent(
+    monkeypatch,
+):
+    """Compaction holds the run's row until it commits; a rollback to a checkpoint it removes
+    then fails clearly instead of making a head whose parent is gone."""
+    import threading
+
+    from django.db import connection
+
+    from durability import retention
+    from durability.errors import UnknownCheckpoint
+
+    run = drive(operations.start("x-compact", {}).id)
+    age(run.id, 40)
+    chosen = Run.objects.get(pk=run.id)
+    removable = retention._removable(chosen, timezone.now() - timedelta(days=7))
+    target = Checkpoint.objects.get(pk=removable[len(removable) // 2])
+    inside, release = threading.Event(), threading.Event()
+    real_verify = retention.verify_run
+
+    def verify_then_wait(run_id, **kwargs):
+        report = real_verify(run_id, **kwargs)
+        if threading.current_thread().name == "compactor":
+            inside.set()  # the checkpoints are deleted, not yet committed
+            release.wait(10)
+        return report
+
+    monkeypatch.setattr(retention, "verify_run", verify_then_wait)
+    outcome: dict[str, object] = {}
+
+    def in_thread(name, fn):
+        def target_fn():
+            try:
+                outcome[name] = fn()
+            except Exception as exc:
+                outcome[name] = exc
+            finally:
+                connection.close()
+
+        return threading.Thread(target=target_fn, name=name)
+
+    compactor = in_thread("compactor", lambda: retention._compact(chosen, removable))
+    roller = in_thread("roller", lambda: operations.rollback(run.id, target.seq, by="op"))
+    compactor.start()
+    assert inside.wait(10)
+    roller.start()
+    roller.join(0.5)
+    assert roller.is_alive()  # waiting for the run's row
+    release.set()
+    compactor.join(10)
+    roller.join(10)
+    assert outcome["compactor"] is True
+    assert isinstance(outcome["roller"], UnknownCheckpoint)
+    assert f"no checkpoint #{target.seq}" in str(outcome["roller"])
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED and operations.verify(run.id)[0].ok
+
+
+def test_the_snapshot_thread_gives_a_removed_checkpoint_no_snapshot():
+    checkpoints.store_snapshot(10**12, "0" * 64, b"{}")
+    assert not Snapshot.objects.filter(checkpoint_id=10**12).exists()
+
+
+def test_an_event_for_a_run_that_is_gone_is_refused():
+    """Events carry no foreign key: the writers other than the step commit check the run."""
+    from django.db import IntegrityError
+
+    from durability.models import Event, EventKind
+
+    run = drive(operations.start("x-keep", {}).id)
+    Checkpoint.objects.filter(run=run).update(parent=None)
+    run_id = run.id
+    Run.objects.get(pk=run_id).delete()
+    with pytest.raises(IntegrityError, match="an event needs its run"):
+        Event.objects.create(run_id=run_id, kind=EventKind.COMMIT_LATENCY, commit_us=5)
+    with pytest.raises(IntegrityError, match=str(run_id)):
+        Event.objects.bulk_create([Event(run_id=run_id, kind=EventKind.ALARM)])
+    assert not Event.objects.filter(run_id=run_id).exists()
