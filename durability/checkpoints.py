@@ -556,7 +556,7 @@ def _commit_orm(c: StepCommit, data: str) -> int:
                 run_id=c.run_id, kind=EventKind.SUCCEEDED, seq=cp.seq, step=c.step, worker=c.worker
             )
         )
-    Event.objects.bulk_create(events)
+    Event.objects.bulk_create(events, run_checked=True)  # the fenced UPDATE above
     return cp.id
 
 

@@ -560,8 +560,14 @@ def _check_runs_exist(run_ids: set[Any], using: str) -> None:
 
 
 class EventQuerySet(models.QuerySet):
-    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Event]:
+    def bulk_create(
+        self, objs: Any, *args: Any, run_checked: bool = False, **kwargs: Any
+    ) -> list[Event]:
+        """``run_checked``: the caller's transaction has already updated (so locked) the
+        runs' rows, as the step commit has."""
         objs = list(objs)
+        if run_checked:
+            return super().bulk_create(objs, *args, **kwargs)
         with transaction.atomic(using=self.db):
             _check_runs_exist({obj.run_id for obj in objs}, self.db)
             return super().bulk_create(objs, *args, **kwargs)
