@@ -181,34 +181,23 @@ def test_a_run_rolled_back_after_prune_chose_it_is_neither_compacted_nor_deleted
     assert operations.verify(run.id)[0].ok and operations.state_at(run.id)["n"] == target.seq
 
 
-def test_a_rollback_waits_for_a_compaction_in_progress_and_never_names_a_removed_parent(
-    monkeypatch,
-):
+def test_a_rollback_waits_for_a_compaction_in_progress_and_never_names_a_removed_parent():
     """Compaction holds the run's row until it commits; a rollback to a checkpoint it removes
     then fails clearly instead of making a head whose parent is gone."""
     import threading
 
     from django.db import connection
 
+    from bench.db import connect
     from durability import retention
     from durability.errors import UnknownCheckpoint
+    from durability.testing import wait_until
 
     run = drive(operations.start("x-compact", {}).id)
     age(run.id, 40)
     chosen = Run.objects.get(pk=run.id)
     removable = retention._removable(chosen, timezone.now() - timedelta(days=7))
     target = Checkpoint.objects.get(pk=removable[len(removable) // 2])
-    inside, release = threading.Event(), threading.Event()
-    real_verify = retention.verify_run
-
-    def verify_then_wait(run_id, **kwargs):
-        report = real_verify(run_id, **kwargs)
-        if threading.current_thread().name == "compactor":
-            inside.set()  # the checkpoints are deleted, not yet committed
-            release.wait(10)
-        return report
-
-    monkeypatch.setattr(retention, "verify_run", verify_then_wait)
     outcome: dict[str, object] = {}
 
     def in_thread(name, fn):
@@ -222,14 +211,28 @@ def test_a_rollback_waits_for_a_compaction_in_progress_and_never_names_a_removed
 
         return threading.Thread(target=target_fn, name=name)
 
-    compactor = in_thread("compactor", lambda: retention._compact(chosen, removable))
-    roller = in_thread("roller", lambda: operations.rollback(run.id, target.seq, by="op"))
-    compactor.start()
-    assert inside.wait(10)
-    roller.start()
-    roller.join(0.5)
-    assert roller.is_alive()  # waiting for the run's row
-    release.set()
+    url = "postgresql://{USER}@{HOST}:{PORT}/{NAME}".format(**connection.settings_dict)
+    with connect(url) as holder, connect(url, autocommit=True) as watcher:
+        # A real lock pauses compaction where it reads snapshots, with what it did so far
+        # uncommitted and before it writes its event (whose run check would lock the run's
+        # row on its own). Without compaction's lock on the run's row, the rollback would
+        # take it here, link its new head to the target, and commit before the target goes.
+        holder.execute("LOCK TABLE durability_snapshot IN ACCESS EXCLUSIVE MODE")
+        compactor = in_thread("compactor", lambda: retention._compact(chosen, removable))
+        compactor.start()
+        wait_until(
+            lambda: watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            ).fetchone()[0],
+            timeout=10,
+            what="compaction waiting for the snapshot table",
+        )
+        roller = in_thread("roller", lambda: operations.rollback(run.id, target.seq, by="op"))
+        roller.start()
+        roller.join(0.5)
+        assert roller.is_alive()  # waiting for the run's row (or, without it, the table)
+        holder.rollback()  # releases the table
     compactor.join(10)
     roller.join(10)
     assert outcome["compactor"] is True
