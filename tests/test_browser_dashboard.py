@@ -100,6 +100,9 @@ def app(cluster, tmp_path_factory):
 @pytest.fixture(scope="session")
 def browser():
     if not Path(CHROMIUM).exists():
+        # CI installs Chromium: there a missing browser is a failure, never a quiet skip.
+        if os.environ.get("DURABILITY_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"no Chromium at {CHROMIUM}, and DURABILITY_REQUIRE_BROWSER=1")
         pytest.skip(f"no Chromium at {CHROMIUM}")
     # Playwright's sync API keeps an event loop running in this thread, which Django takes
     # for an async context and refuses database calls in. The tests use the ORM
