@@ -1,8 +1,12 @@
-"""Tiny typed readers for settings from the environment that fail loudly on bad values."""
+"""Tiny typed readers for settings from the environment that fail loudly on bad values, and
+the embedded default's private files (its var dir, database and generated secret key)."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import time
+from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -57,3 +61,62 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None or not raw.strip():
         return list(default)
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def private_dir(path: Path, *, tighten: bool = True) -> Path:
+    """``path`` as a directory only its owner can enter (0700): created so, and an existing
+    one of ours tightened (``tighten``), since it holds the database and the secret key."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        if not tighten:
+            return path
+    # mkdir's mode is masked by the umask; chmod is not. Only our own folder, never one
+    # another user set up for us.
+    if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 != 0o700:
+        path.chmod(0o700)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """``path`` as a file only its owner can read (0600), created empty if missing, before
+    anything else (SQLite) creates it with the umask's mode."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o777 != 0o600 and os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    return path
+
+
+def generated_secret(path: Path) -> str:
+    """A random key kept in ``path`` (0600): made on first start, read on every later one.
+    Web, worker and beat may start at the same moment: the key is written to a private
+    temporary file and published with link(), which fails if another process published
+    first; then that one's key is used."""
+    for _ in range(50):
+        try:
+            key = path.read_text().strip()
+        except FileNotFoundError:
+            key = ""
+        if key:
+            if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+                path.chmod(0o600)
+            return key
+        if not path.exists():
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(50) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(temporary, path)
+            except FileExistsError:
+                pass
+            finally:
+                temporary.unlink()
+            continue
+        time.sleep(0.02)  # an empty file: someone else's key is on its way
+    raise ImproperlyConfigured(f"{path} is empty: delete it, or set SECRET_KEY")

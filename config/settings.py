@@ -6,12 +6,22 @@ under ./var/, the demo agents loaded.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from config.env import env_bool, env_float, env_int, env_list, env_str
+from config.env import (
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    generated_secret,
+    private_dir,
+    private_file,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("DURABILITY_VAR_DIR", str(BASE_DIR / "var")))
@@ -42,6 +52,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_htmx",
+    "axes",
     "durability",
     "workers",
     "dashboard",
@@ -58,6 +69,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as its documentation asks: it turns a locked-out sign-in into its answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -97,7 +110,13 @@ def _database() -> dict:
         # Web, worker and beat share one file: WAL lets readers run beside the writer,
         # IMMEDIATE takes the write lock up front (no deadlock on upgrade), and the busy
         # timeout makes a writer wait instead of failing with "database is locked".
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        # The database holds password hashes and sessions: readable by this user only
+        # (SQLite gives its -wal and -shm files the database file's mode).
+        name = str(db["NAME"])
+        if name and name != ":memory:" and not name.startswith("file:"):
+            path = Path(name)
+            private_dir(path.parent, tighten=path.parent.resolve() == VAR_DIR.resolve())
+            private_file(path)
         db["CONN_MAX_AGE"] = 0
         db["OPTIONS"] = {
             "transaction_mode": "IMMEDIATE",
@@ -123,8 +142,10 @@ def _database() -> dict:
 
 DATABASES = {"default": _database()}
 
-# The embedded default (SQLite) must start with nothing configured. A server database means a
-# deployment, where a key everyone can read would let anyone forge sessions: refuse to start.
+# The embedded default (SQLite) must start with nothing configured: it makes a random key on
+# first start, kept in the var dir (0600) so sessions survive a restart and web, worker and
+# beat agree. A server database means a deployment, where the key is configuration (every
+# web process must share it): refuse to start without one.
 SECRET_KEY = env_str("SECRET_KEY", "")
 if not SECRET_KEY:
     if not DATABASES["default"]["ENGINE"].endswith("sqlite3") and not DEBUG:
@@ -132,12 +153,37 @@ if not SECRET_KEY:
             "SECRET_KEY is required with a server database: set it to a long random value,"
             " e.g. $(openssl rand -hex 32)"
         )
-    SECRET_KEY = "insecure-embedded-default-change-me"
+    SECRET_KEY = generated_secret(private_dir(VAR_DIR) / "secret-key")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# Every password the product sets (ensure_admin, createsuperuser, changepassword, the admin)
+# passes Django's standard validators.
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": env_int("PASSWORD_MIN_LENGTH", 10)},
+    },
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+
+# Sign-in throttling (django-axes): after AXES_FAILURE_LIMIT failed attempts for one username
+# from one address, that pair is locked out for AXES_COOLOFF_MINUTES (the sign-in page says
+# so). A success resets the count. Behind a proxy, set CLIENT_IP_HEADER to the header it
+# appends the client's address to (X-Forwarded-For), or every client shares the proxy's.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("AXES_COOLOFF_MINUTES", 15.0))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "dashboard.lockout.locked_out"
+AXES_VERBOSE = False
+CLIENT_IP_HEADER = env_str("CLIENT_IP_HEADER", "")
+AXES_CLIENT_IP_CALLABLE = "dashboard.lockout.client_ip"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -159,7 +205,7 @@ LOGGING = {
 
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
 if CELERY_BROKER_URL.startswith("filesystem://"):
-    _broker_dir = VAR_DIR / "broker"
+    _broker_dir = private_dir(VAR_DIR) / "broker"
     for _sub in ("queue", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     # Kombu's filesystem transport, with message files written atomically (see there).

@@ -9,6 +9,7 @@ from typing import Any
 
 from django import forms
 
+from dashboard.params import ID_MAX, INT_MAX
 from dashboard.submissions import new_token
 from durability.redact import REDACTED, is_secret_key
 
@@ -71,10 +72,11 @@ class ReasonForm(forms.Form):
 
 
 class RollbackForm(forms.Form):
-    checkpoint_id = forms.IntegerField(widget=forms.HiddenInput)
+    # Bounded by the columns: a larger number names nothing and the database would refuse it.
+    checkpoint_id = forms.IntegerField(min_value=1, max_value=ID_MAX, widget=forms.HiddenInput)
     # The head the confirmation was shown for: if the run moved on meanwhile (another
     # operator acted, the run advanced), the confirmation is stale and is refused.
-    expected_head = forms.IntegerField(widget=forms.HiddenInput)
+    expected_head = forms.IntegerField(min_value=0, max_value=INT_MAX, widget=forms.HiddenInput)
     expected_status = forms.CharField(max_length=16, required=False, widget=forms.HiddenInput)
     reason = forms.CharField(
         max_length=REASON_MAX, widget=forms.TextInput, help_text="Recorded in the audit log."
@@ -87,7 +89,7 @@ class RollbackForm(forms.Form):
 
 
 class ForkForm(forms.Form):
-    from_seq = forms.IntegerField(min_value=0, widget=forms.HiddenInput)
+    from_seq = forms.IntegerField(min_value=0, max_value=INT_MAX, widget=forms.HiddenInput)
     state = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 24, "spellcheck": "false", "class": "code"}),
         help_text=(
@@ -126,7 +128,9 @@ class ResolveForm(forms.Form):
     note = forms.CharField(max_length=REASON_MAX, required=False, widget=forms.TextInput)
     token = TokenField()
     # The attempts the page showed: a decision about attempt 1 must not settle attempt 2.
-    attempts = forms.IntegerField(min_value=0, required=False, widget=forms.HiddenInput)
+    attempts = forms.IntegerField(
+        min_value=0, max_value=INT_MAX, required=False, widget=forms.HiddenInput
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

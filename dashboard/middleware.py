@@ -1,4 +1,6 @@
-"""Login for every dashboard page, htmx-aware; and no NUL character in any parameter.
+"""Login for every dashboard page, htmx-aware; no NUL character in any parameter; and a
+page that says what was wrong with a request (a parameter, something not found) instead of
+a bare status.
 
 Applied per view (dashboard/urls.py wraps every pattern) rather than as a global middleware, so
 endpoints that other apps expose for machines (a metrics scrape, a health check) are not
@@ -12,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.views import redirect_to_login
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import resolve_url
 from django_htmx.http import HttpResponseClientRedirect
 
@@ -56,5 +58,27 @@ def no_nul(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
                         request, "dashboard/error.html", context, fragment="message", status=400
                     )
         return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def answered(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """A parameter the view refused (400) or something it did not find (404) answered with
+    the sentence that says which, on the dashboard's own page (Django's bare 404 page would
+    not say what was missing)."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        from dashboard.params import BadParameter
+        from dashboard.views.common import page
+
+        try:
+            return view(request, *args, **kwargs)
+        except BadParameter as exc:
+            title, message, status = "Bad request", str(exc), 400
+        except Http404 as exc:
+            title, message, status = "Not found", str(exc) or "nothing at this address", 404
+        context = {"title": title, "message": message.rstrip(".") + "."}
+        return page(request, "dashboard/error.html", context, fragment="message", status=status)
 
     return wrapper

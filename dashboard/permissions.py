@@ -1,7 +1,13 @@
 """Roles: viewers read; operators (members of the "operators" group, and superusers) act.
+A signed-in account in neither group sees no page at all, only whom to ask.
 
-Checked server-side on every POST, whatever the page showed: a hidden button is a courtesy,
-this is the rule."""
+Checked server-side on every request, whatever the page showed: a hidden button is a
+courtesy, this is the rule.
+
+Deciding an approval needs the operator role; an approval whose policy names a group is
+decided only by the operators in that group (the group narrows, it never grants: a viewer in
+the group may not decide). Superusers may decide every approval. The engine checks the same
+under the run's lock (``durability.operations.check_may_decide``)."""
 
 from __future__ import annotations
 
@@ -22,28 +28,66 @@ DENIED = (
 )
 
 
-def is_operator(user: Any) -> bool:
-    if not getattr(user, "is_authenticated", False) or not user.is_active:
-        return False
-    if user.is_superuser:
-        return True
-    # Cached on the user object: templates ask once per button.
-    cached = getattr(user, "_dashboard_is_operator", None)
+def no_role_message(user: Any) -> str:
+    return (
+        f"Your account “{user.get_username()}” has no role on this dashboard yet, so it"
+        " cannot see runs. Ask an administrator (or one of your operators, who know who"
+        f' administers it) to add you to the "{VIEWERS}" group to read runs, or to the'
+        f' "{OPERATORS}" group to act on them.'
+    )
+
+
+def _groups(user: Any) -> frozenset[str]:
+    # One query per request, cached on the user object: templates ask once per button.
+    cached = getattr(user, "_dashboard_groups", None)
     if cached is None:
-        cached = user.groups.filter(name=OPERATORS).exists()
-        user._dashboard_is_operator = cached
+        cached = frozenset(user.groups.values_list("name", flat=True))
+        user._dashboard_groups = cached
     return cached
 
 
+def _active(user: Any) -> bool:
+    return bool(getattr(user, "is_authenticated", False) and user.is_active)
+
+
+def is_operator(user: Any) -> bool:
+    if not _active(user):
+        return False
+    return bool(user.is_superuser or OPERATORS in _groups(user))
+
+
+def is_reader(user: Any) -> bool:
+    """Whether ``user`` may see the dashboard's pages: viewers, operators, superusers."""
+    if not _active(user):
+        return False
+    return bool(user.is_superuser or _groups(user) & {VIEWERS, OPERATORS})
+
+
 def may_decide(user: Any, approval: Any) -> bool:
-    """Whether ``user`` may decide ``approval``: its policy's group when it names one (the
-    engine checks the same under the run's lock), any operator otherwise."""
-    if not getattr(user, "is_authenticated", False) or not user.is_active:
+    """Whether ``user`` may decide ``approval``: an operator, and when its policy names a
+    group, an operator in that group (superusers always)."""
+    if not is_operator(user):
         return False
     group = getattr(approval, "group", "")
+    return bool(not group or user.is_superuser or group in _groups(user))
+
+
+def why_not_decide(user: Any, approval: Any) -> str:
+    """The sentence shown to someone who may not decide ``approval``."""
+    group = getattr(approval, "group", "")
     if not group:
-        return is_operator(user)
-    return bool(user.is_superuser or user.groups.filter(name=group).exists())
+        return DENIED
+    if is_operator(user):
+        return (
+            f"Only operators in the group {group!r} may decide this approval (its policy"
+            f" says so); ask an administrator to add you to {group!r}, or ask one of its"
+            " members to decide."
+        )
+    return (
+        f"Only operators in the group {group!r} may decide this approval (its policy says"
+        f" so), and your account is not an operator; ask an administrator to add you to"
+        f' the "{OPERATORS}" group and to {group!r}.'
+    )
 
 
 def mark_deciders(user: Any, approvals: Any) -> Any:
@@ -54,7 +98,22 @@ def mark_deciders(user: Any, approvals: Any) -> Any:
 
 
 def role_of(user: Any) -> str:
-    return "operator" if is_operator(user) else "viewer"
+    if is_operator(user):
+        return "operator"
+    return "viewer" if is_reader(user) else "none"
+
+
+def reader_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Refuse every request from a signed-in account with no role, with a page that says
+    whom to ask (the login comes first: an anonymous caller is sent to sign in)."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not is_reader(request.user):
+            return denied(request, no_role_message(request.user), role="none")
+        return view(request, *args, **kwargs)
+
+    return wrapper
 
 
 def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -70,11 +129,12 @@ def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRe
     return wrapper
 
 
-def denied(request: HttpRequest, message: str = DENIED) -> HttpResponse:
+def denied(request: HttpRequest, message: str = DENIED, *, role: str = "") -> HttpResponse:
     template = "dashboard/denied.html"
     if getattr(request, "htmx", False):
         template += "#message"
-    return TemplateResponse(request, template, {"message": message}, status=403)
+    context = {"message": message, "role": role or role_of(request.user)}
+    return TemplateResponse(request, template, context, status=403)
 
 
 def decider_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -84,17 +144,13 @@ def decider_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRes
     @wraps(view)
     def wrapper(request: HttpRequest, pk: int, *args: Any, **kwargs: Any) -> HttpResponse:
         if request.method not in ("GET", "HEAD"):
-            from durability.models import Approval
-
-            approval = Approval.objects.filter(pk=pk).only("group").first()
-            if approval is not None and not may_decide(request.user, approval):
-                if approval.group:
-                    return denied(
-                        request,
-                        f"Only members of the group {approval.group!r} may decide this"
-                        " approval (its policy says so).",
-                    )
+            if not is_operator(request.user):
                 return denied(request)
+            from dashboard.states import approval_or_404
+
+            approval = approval_or_404(pk)
+            if not may_decide(request.user, approval):
+                return denied(request, why_not_decide(request.user, approval))
         return view(request, pk, *args, **kwargs)
 
     return wrapper

@@ -15,8 +15,8 @@ from typing import Any
 from django.db import connection
 from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 
+from dashboard import params
 from durability.models import Approval, ApprovalStatus, Checkpoint, Event, Run, RunStatus
 
 SINCE = {
@@ -93,15 +93,23 @@ def encode_cursor(run: Run) -> str:
 
 
 def decode_cursor(text: str) -> tuple[datetime, uuid.UUID] | None:
+    """The position a ``cursor`` names; None for none (the first page). A cursor this list
+    did not write is refused: paging from a guessed position would show a page that looks
+    like the list but is not where the user was."""
     if not text:
         return None
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
         when, ident = raw.split("|", 1)
-        at = parse_datetime(when)
-        return (at, uuid.UUID(ident)) if at is not None else None
+        at = params.moment(when)
+        if at is not None:
+            return at, uuid.UUID(ident)
     except (ValueError, UnicodeDecodeError):
-        return None
+        pass
+    raise params.BadParameter(
+        "cursor",
+        "is not a position this list gave (follow “Older” from the first page instead)",
+    )
 
 
 @dataclass
@@ -205,12 +213,21 @@ def agents_in_use() -> list[str]:
     return sorted({a.name for a in registry.all()})
 
 
+def known_agent(data: Any, name: str = "agent") -> str:
+    """An agent filter: a registered agent, or one some run was started with (its code may
+    be gone); anything else is refused, not silently matched with nothing."""
+    agent = params.text(data, name)
+    if agent and agent not in agents_in_use() and not Run.objects.filter(agent=agent).exists():
+        raise params.BadParameter(
+            name, f"names no agent: no agent “{params.shown(agent)}” is registered or has runs"
+        )
+    return agent
+
+
 def parse_filters(data: Any) -> Filters:
-    status = data.get("status", "")
-    since = data.get("since", "")
     return Filters(
-        agent=(data.get("agent") or "").strip()[:200],
-        status=status if status in RunStatus.values else "",
-        since=since if since in SINCE else "",
-        q=(data.get("q") or "").strip()[:200],
+        agent=known_agent(data),
+        status=params.choice(data, "status", RunStatus.values),
+        since=params.choice(data, "since", SINCE),
+        q=params.text(data, "q"),
     )

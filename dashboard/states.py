@@ -10,30 +10,48 @@ from typing import Any
 
 from django.http import Http404
 
+from dashboard.params import ID_MAX, INT_MAX, shown
 from durability import canonical, checkpoints, diff, operations
 from durability.errors import IntegrityViolation, InvalidInput
-from durability.models import Checkpoint, Mutation, Run
+from durability.models import Approval, Checkpoint, Mutation, Run
 
 
 def run_or_404(ref: Any) -> Run:
     try:
         return operations.get_run(ref)
     except InvalidInput as exc:
-        raise Http404(exc.message) from None
+        raise Http404(shown(exc.message, 200)) from None
 
 
 def checkpoint_or_404(run: Run, seq: Any) -> Checkpoint:
+    text = str(seq).strip()
     try:
-        number = int(seq)
+        if len(text) > 20:
+            raise ValueError(text)
+        number = int(text)
     except (TypeError, ValueError):
-        raise Http404(f"{seq!r} is not a checkpoint number") from None
-    cp = Checkpoint.objects.filter(run=run, seq=number).select_related("parent").first()
+        raise Http404(
+            f"run {run.short_id} has no checkpoint “{shown(seq)}”: that is not a checkpoint number"
+        ) from None
+    # A number past the column's range names nothing (and the database would refuse it).
+    cp = None
+    if 0 <= number <= INT_MAX:
+        cp = Checkpoint.objects.filter(run=run, seq=number).select_related("parent").first()
     if cp is None:
         raise Http404(
-            f"run {run.short_id} has no checkpoint #{number}"
+            f"run {run.short_id} has no checkpoint #{shown(number)}"
             f" (its checkpoints are #0 to #{run.head_seq})"
         )
     return cp
+
+
+def approval_or_404(pk: Any) -> Approval:
+    approval = None
+    if 0 < int(pk) <= ID_MAX:
+        approval = Approval.objects.select_related("run", "base").filter(pk=pk).first()
+    if approval is None:
+        raise Http404(f"there is no approval {pk}")
+    return approval
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from django.utils.dateparse import parse_datetime
 
+from dashboard import params
 from durability.models import (
     CallKind,
     Effect,
@@ -58,12 +59,15 @@ class Cursor:
         if len(parts) != 5:
             return None
         try:
-            # A time of the right shape that does not exist (month 13) is a ValueError too.
-            if parts[4] and parse_datetime(parts[4]) is None:
-                return None
-            return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[4], int(parts[3]))
-        except ValueError:
+            ids = [params.bounded(p, "cursor", maximum=params.ID_MAX) for p in parts[:4]]
+        except params.BadParameter:
             return None
+        # A time that does not exist (month 13) or cannot be stored (past year 9999 in UTC)
+        # is no cursor this page wrote.
+        done_at = params.moment(parts[4]) if parts[4] else None
+        if parts[4] and done_at is None:
+            return None
+        return cls(ids[0], ids[1], ids[2], done_at.isoformat() if done_at else "", ids[3])
 
 
 @dataclass
@@ -356,11 +360,13 @@ def decode_before(text: str) -> tuple[datetime, int, int] | None:
     parts = (text or "").split("|")
     if len(parts) != 3:
         return None
+    at = params.moment(parts[0])
     try:
-        at = parse_datetime(parts[0])  # a ValueError for a date that does not exist
-        return (at, int(parts[1]), int(parts[2])) if at is not None else None
-    except ValueError:
+        order = params.bounded(parts[1], "before", maximum=1)
+        ident = params.bounded(parts[2], "before", maximum=params.ID_MAX)
+    except params.BadParameter:
         return None
+    return (at, order, ident) if at is not None else None
 
 
 def _older(field: str, order: int, before: tuple[datetime, int, int]):

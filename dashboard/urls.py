@@ -1,6 +1,7 @@
 from django.urls import URLPattern, path
 
-from dashboard.middleware import login_required, no_nul
+from dashboard.middleware import answered, login_required, no_nul
+from dashboard.permissions import reader_required
 from dashboard.views import actions, approvals, audit, diff, run, runs, slo
 
 app_name = "dashboard"
@@ -31,9 +32,10 @@ urlpatterns = [
 
 
 def _guarded(pattern: URLPattern) -> URLPattern:
-    # Every dashboard page needs a login, and takes no NUL character in a parameter: checked
-    # here once, not remembered per view.
-    pattern.callback = login_required(no_nul(pattern.callback))
+    # Every dashboard page needs a login and a role (viewer, operator or superuser), takes no
+    # NUL character in a parameter, and says what was wrong with a request it refuses:
+    # checked here once, not remembered per view.
+    pattern.callback = login_required(reader_required(no_nul(answered(pattern.callback))))
     return pattern
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 
 from durability import blobs, canonical, checkpoints, dispatch, leases, telemetry
@@ -841,20 +841,31 @@ def decide(
     return pending
 
 
+# The role that decides approvals (the dashboard's "operators" group).
+OPERATORS_GROUP = "operators"
+
+
 def check_may_decide(approval: Approval, by: str) -> None:
-    """Only members of the approval's group (or superusers) may decide it."""
+    """An approval whose policy names a group is decided only by operators in that group
+    (or superusers): the group narrows who of the operators may, it grants nothing to
+    someone who is not one."""
     if not approval.group:
         return
     from django.contrib.auth import get_user_model
 
     users = get_user_model()
+    memberships = users.groups.through.objects.filter(user_id=OuterRef("pk"))
     member = users.objects.filter(username=by, is_active=True).filter(
-        Q(is_superuser=True) | Q(groups__name=approval.group)
+        Q(is_superuser=True)
+        | (
+            Exists(memberships.filter(group__name=approval.group))
+            & Exists(memberships.filter(group__name=OPERATORS_GROUP))
+        )
     )
     if not member.exists():
         raise NotAllowed(
             f"{by or 'an anonymous caller'} may not decide approval {approval.name!r}: only"
-            f" members of the group {approval.group!r} may",
+            f" operators in the group {approval.group!r} may",
             run_id=approval.run_id,
         )
 

@@ -43,11 +43,14 @@ def agents():
 def people():
     finance = Group.objects.create(name="finance")
     managers = Group.objects.create(name="managers")
+    operators = Group.objects.create(name="operators")
     alice = User.objects.create_user("alice")
-    alice.groups.add(finance)
-    User.objects.create_user("bob")
+    alice.groups.add(finance, operators)
+    User.objects.create_user("bob").groups.add(operators)
     carol = User.objects.create_user("carol")
-    carol.groups.add(managers)
+    carol.groups.add(managers, operators)
+    # In the group but not an operator: the group narrows who of the operators may decide.
+    User.objects.create_user("dave").groups.add(finance)
     return {"finance": finance, "managers": managers}
 
 
@@ -60,9 +63,10 @@ def expire(run_id) -> None:
 def test_only_members_of_the_group_may_decide(people):
     run = operations.start("x-policy", {"eur": 500})
     drive(run.id)
-    with pytest.raises(NotAllowed) as err:
-        operations.decide(run.id, "refund", approve=True, by="bob")
-    assert "only members of the group 'finance'" in str(err.value)
+    for outsider in ("bob", "dave"):  # an operator outside finance; a non-operator in it
+        with pytest.raises(NotAllowed) as err:
+            operations.decide(run.id, "refund", approve=True, by=outsider)
+        assert "only operators in the group 'finance'" in str(err.value)
     assert Approval.objects.get(run=run).status == ApprovalStatus.PENDING
     operations.decide(run.id, "refund", approve=True, by="alice")
     assert drive(run.id).status == RunStatus.SUCCEEDED

@@ -90,11 +90,11 @@ def test_audit_log_lists_operator_actions_newest_first_and_filters(as_operator):
     assert as_operator.post(reverse("dashboard:audit")).status_code == 405
 
 
-def test_an_approval_for_a_group_is_decided_by_its_members_only(as_operator, operator):
+def test_an_approval_for_a_group_is_decided_by_the_operators_in_it_only(as_operator, operator):
     from django.contrib.auth.models import Group
     from django.test import Client
 
-    from tests.dashboard_helpers import make_user
+    from tests.dashboard_helpers import counts, make_user
 
     run = waiting_run("Finance?")
     approval = Approval.objects.get(run=run)
@@ -107,26 +107,37 @@ def test_an_approval_for_a_group_is_decided_by_its_members_only(as_operator, ope
         timeout_seconds=1800,
     )
     html = text_of(as_operator.get(INBOX))
-    assert "members of <strong>finance</strong>" in html
+    assert "operators in <strong>finance</strong>" in html
     assert "it goes to <strong>cfo</strong>" in html and "in 29 min" in html
-    assert "only members of finance may decide" in html  # olive is not in finance
+    assert "only operators in finance may decide" in html  # olive is not in finance
+    before = counts()
     refused = as_operator.post(
         reverse("dashboard:decide", args=[approval.pk]), {"decision": "approve"}
     )
     assert refused.status_code == 403 and "group &#x27;finance&#x27;" in text_of(refused)
-    assert Approval.objects.get(pk=approval.pk).status == "pending"
-    # A member of finance who is not an operator may decide this one.
-    fay = make_user("fay", None)
+    # A member of finance who is a viewer, not an operator, may not decide it either: the
+    # group narrows who of the operators may, it does not make a viewer one.
+    fay = make_user("fay", "viewers")
     fay.groups.add(Group.objects.get_or_create(name="finance")[0])
+    as_fay = Client()
+    as_fay.force_login(fay)
+    assert 'value="approve"' not in text_of(as_fay.get(INBOX))
+    for url in ("dashboard:decide", "dashboard:approval"):
+        no = as_fay.post(reverse(url, args=[approval.pk]), {"decision": "approve"})
+        assert no.status_code == 403 and "operators" in text_of(no), url
+    assert counts() == before
+    # An operator in finance may.
+    fred = make_user("fred", "operators")
+    fred.groups.add(Group.objects.get(name="finance"))
     client = Client()
-    client.force_login(fay)
+    client.force_login(fred)
     assert 'value="approve"' in text_of(client.get(INBOX))
     done = client.post(
         reverse("dashboard:decide", args=[approval.pk]),
         {"decision": "approve"},
         HTTP_HX_REQUEST="true",
     )
-    assert done.status_code == 200 and "by fay" in text_of(done)
+    assert done.status_code == 200 and "by fred" in text_of(done)
     assert "run-changed" in done["HX-Trigger"]
 
 

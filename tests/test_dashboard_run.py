@@ -186,18 +186,18 @@ def test_poll_cursor_never_skips_rows():
     assert timeline.decode_before("2020-13-45T00:00:00|0|0") is None
 
 
-def test_cursors_with_dates_that_do_not_exist_are_not_errors(as_operator):
+def test_cursors_with_dates_that_do_not_exist_are_refused_with_a_sentence(as_operator):
     run = waiting_run("Odd dates?")
-    earlier = as_operator.get(
-        reverse("dashboard:timeline", args=[run.id]), {"before": "2020-13-45T00:00:00|0|0"}
-    )
-    assert earlier.status_code == 404
-    poll = as_operator.get(
-        run_url(run),
-        {"live": "x", "acts": "y", "head": 0, "cursor": "0.0.0.0.2020-13-45T00:00:00"},
-        HTTP_HX_REQUEST="true",
-    )
-    assert poll.status_code == 200
+    for before in ("2020-13-45T00:00:00|0|0", "9999-12-31T23:59:59-05:00|0|0", "x"):
+        earlier = as_operator.get(reverse("dashboard:timeline", args=[run.id]), {"before": before})
+        assert earlier.status_code == 400 and "before" in text_of(earlier), before
+    for cursor in ("0.0.0.0.2020-13-45T00:00:00", "0.0.0.0.9999-12-31T23:59:59-05:00"):
+        poll = as_operator.get(
+            run_url(run),
+            {"live": "x", "acts": "y", "head": 0, "cursor": cursor},
+            HTTP_HX_REQUEST="true",
+        )
+        assert poll.status_code == 400 and "reload" in text_of(poll), cursor
 
 
 def test_timeline_pages_back_in_time(as_operator):

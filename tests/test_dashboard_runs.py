@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+
+import base64
+
 from datetime import timedelta
 
 import pytest
@@ -102,10 +106,18 @@ def test_keyset_pages_cover_every_run_once_in_order(as_operator):
     assert pages == 3 and seen == expected and len(set(seen)) == 120
 
 
-def test_a_bad_cursor_is_ignored_not_an_error(as_operator):
+def test_a_bad_cursor_or_filter_is_refused_with_a_sentence(as_operator):
     start("x")
     response = as_operator.get(URL, {"cursor": "not-a-cursor!"})
-    assert response.status_code == 200 and len(response.context["result"].rows) == 1
+    assert response.status_code == 400 and "is not a position this list gave" in text_of(response)
+    # A date past year 9999 once moved to UTC (it overflowed before: a 500).
+    late = base64.urlsafe_b64encode(f"9999-12-31T23:59:59-05:00|{uuid.uuid4()}".encode())
+    assert as_operator.get(URL, {"cursor": late.decode()}).status_code == 400
+    unknown = as_operator.get(URL, {"status": "sleeping"})
+    assert unknown.status_code == 400 and "sleeping" in text_of(unknown)
+    assert as_operator.get(URL, {"since": "1y"}).status_code == 400
+    nobody = as_operator.get(URL, {"agent": "no-such-agent"})
+    assert nobody.status_code == 400 and "no agent" in text_of(nobody)
 
 
 def test_live_poll_answers_204_until_something_changes(as_operator):

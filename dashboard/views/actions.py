@@ -16,7 +16,7 @@ from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods, require_POST
 
-from dashboard import present, runinfo, states
+from dashboard import params, present, runinfo, states
 from dashboard.forms import ForkForm, ReasonForm, ResolveForm, RollbackForm, SendForm
 from dashboard.permissions import operator_required
 from dashboard.submissions import AlreadySubmitted, spend
@@ -149,9 +149,12 @@ def rollback(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
     if request.method == "POST":
         return _rollback_post(request, run)
-    to = request.GET.get("to", "")
+    to = params.text(request.GET, "to", 20)
+    if not to:
+        raise params.BadParameter("to", "must name the checkpoint to roll back to (?to=12)")
+    target = states.checkpoint_or_404(run, to)
     try:
-        plan = operations.plan_rollback(run, to)
+        plan = operations.plan_rollback(run, target.seq)
     except DurabilityError as exc:
         return refused(request, run, explain(exc), status_for(exc))
     form = RollbackForm(
@@ -191,8 +194,11 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
     form = RollbackForm(request.POST)
     if not form.is_valid():
         try:
-            plan = operations.plan_rollback(run, checkpoint_id=int(request.POST["checkpoint_id"]))
-        except (DurabilityError, KeyError, ValueError):
+            chosen = params.bounded(
+                request.POST["checkpoint_id"], "checkpoint_id", maximum=params.ID_MAX
+            )
+            plan = operations.plan_rollback(run, checkpoint_id=chosen)
+        except (DurabilityError, KeyError, params.BadParameter):
             return refused(
                 request, run, "the confirmation form is incomplete: " + _errors(form), 422
             )
@@ -327,7 +333,9 @@ def _schema_text(run: Run) -> str:
 @operator_required
 def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
     run = states.run_or_404(ref)
-    effect = Effect.objects.filter(run=run, pk=effect_id).select_related("base").first()
+    effect = None
+    if 0 < effect_id <= params.ID_MAX:
+        effect = Effect.objects.filter(run=run, pk=effect_id).select_related("base").first()
     if effect is None:
         return refused(request, run, f"run {run.short_id} has no effect {effect_id}", 404)
     context: dict[str, Any] = {

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 
 from django.contrib import messages
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django_htmx.http import trigger_client_event
 
-from dashboard import runinfo
+from dashboard import runinfo, states
 from dashboard.forms import DecisionForm, PayloadForm
 from dashboard.permissions import decider_required, mark_deciders
 from dashboard.views.common import explain, page, status_for
@@ -24,9 +24,7 @@ from durability.models import Approval, ApprovalStatus
 
 
 def _approval(pk: int) -> Approval:
-    approval = Approval.objects.select_related("run", "base").filter(pk=pk).first()
-    if approval is None:
-        raise Http404(f"there is no approval {pk}")
+    approval = states.approval_or_404(pk)
     approval.view = runinfo.payload_view(approval.payload)  # type: ignore[attr-defined]
     return approval
 

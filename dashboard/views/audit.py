@@ -6,7 +6,7 @@ from __future__ import annotations
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
-from dashboard import queries, timeline
+from dashboard import params, queries, timeline
 from dashboard.models import Notification
 from dashboard.views.common import page
 from durability.models import Event, EventKind
@@ -15,31 +15,29 @@ PAGE = 100
 
 
 def _before(request: HttpRequest) -> int | None:
-    try:
-        return int(request.GET["before"])
-    except (KeyError, ValueError):
-        return None
+    return params.integer(request.GET, "before", maximum=params.ID_MAX)
 
 
 @require_GET
 def audit(request: HttpRequest) -> HttpResponse:
-    actor = (request.GET.get("actor") or "").strip()[:150]
-    kind = request.GET.get("kind", "")
-    run_ref = (request.GET.get("run") or "").strip()
+    actor = params.text(request.GET, "actor", 150)
+    kind = params.choice(request.GET, "kind", EventKind.values)
+    run_ref = params.text(request.GET, "run", 36)
     rows = Event.objects.exclude(actor="").select_related("run")
     if actor:
         rows = rows.filter(actor=actor)
-    if kind in EventKind.values:
+    if kind:
         rows = rows.filter(kind=kind)
     if run_ref:
         bounds = queries.id_prefix_range(run_ref)
         if bounds is None:
-            rows = rows.none()
-        else:
-            low, high = bounds
-            rows = rows.filter(run_id__gte=low)
-            if high is not None:
-                rows = rows.filter(run_id__lt=high)
+            raise params.BadParameter(
+                "run", "takes a run id or its first characters (4 to 32 hexadecimal digits)"
+            )
+        low, high = bounds
+        rows = rows.filter(run_id__gte=low)
+        if high is not None:
+            rows = rows.filter(run_id__lt=high)
     before = _before(request)
     if before is not None:
         rows = rows.filter(id__lt=before)

@@ -8,18 +8,11 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
-from dashboard import diffview, present, states
+from dashboard import diffview, params, present, states
 from dashboard.views.common import page
 from durability.models import Checkpoint, Run
 
 SHOWN = 200
-
-
-def _int(value: str | None, default: int) -> int:
-    try:
-        return int(value) if value not in (None, "") else default
-    except ValueError:
-        return default
 
 
 def _sides(request: HttpRequest, run: Run) -> tuple[Run, Checkpoint, Run, Checkpoint]:
@@ -47,10 +40,8 @@ def _query(a_run: Run, a_cp: Checkpoint, b_run: Run, b_cp: Checkpoint) -> dict[s
 def diff(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
     a_run, a_cp, b_run, b_cp = _sides(request, run)
-    layout = (
-        request.GET.get("view") if request.GET.get("view") in ("unified", "split") else "unified"
-    )
-    offset = max(0, _int(request.GET.get("offset"), 0))
+    layout = params.choice(request.GET, "view", ("unified", "split"), "unified")
+    offset = params.integer(request.GET, "offset", 0)
     old, new = states.load_pair(a_cp, b_cp)
     error = old.error or new.error
     result = diffview.compare(old.state, new.state) if not error else None

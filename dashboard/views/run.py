@@ -7,7 +7,7 @@ from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
-from dashboard import diffview, present, runinfo, states, timeline
+from dashboard import diffview, params, present, runinfo, states, timeline
 from dashboard.forms import ReasonForm, SendForm
 from dashboard.permissions import mark_deciders
 from dashboard.views.common import nothing, page
@@ -58,18 +58,21 @@ def run_detail(request: HttpRequest, ref: str) -> HttpResponse:
     if ref != str(run.id):
         # A prefix finds the run; the page lives at its full id, a stable link to share.
         return redirect("dashboard:run", ref=str(run.id))
+    tab = _tab(request)
     if "live" in request.GET:
         return _live(request, run)
-    return page(
-        request, "dashboard/run.html", _context(request, run, None, request.GET.get("tab", ""))
-    )
+    return page(request, "dashboard/run.html", _context(request, run, None, tab))
+
+
+def _tab(request: HttpRequest) -> str:
+    return params.choice(request.GET, "tab", runinfo.TABS)
 
 
 @require_GET
 def checkpoint_detail(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
     """A run page with checkpoint ``seq`` in the inspector; for htmx, the inspector alone."""
     run = states.run_or_404(ref)
-    tab = request.GET.get("tab", "")
+    tab = _tab(request)
     if request.htmx and request.htmx.target == "inspector":
         cp = states.checkpoint_or_404(run, seq)
         return page(
@@ -85,7 +88,12 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
     """A poll: compare what the page has with what is; send only the parts that changed,
     appending new timeline items instead of replacing the list."""
     header = runinfo.header_token(run)
-    cursor = timeline.Cursor.decode(request.GET.get("cursor", ""))
+    shown_head = params.integer(request.GET, "head", run.head_seq)
+    cursor = None
+    if request.GET.get("cursor"):
+        cursor = timeline.Cursor.decode(request.GET["cursor"])
+        if cursor is None:
+            raise params.BadParameter("cursor", "is not a position this page gave; reload it")
     approvals = mark_deciders(request.user, runinfo.pending_approvals(run))
     doubts = runinfo.in_doubt(run)
     actions = runinfo.actions_token(run, approvals, doubts)
@@ -114,10 +122,6 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
         "oob": True,
     }
     if changed_header:
-        try:
-            shown_head = int(request.GET.get("head", ""))
-        except ValueError:
-            shown_head = run.head_seq
         context.update(
             new_checkpoints=runinfo.checkpoints_after(run, shown_head),
             head=Checkpoint.objects.filter(run=run, seq=run.head_seq).only("size").first(),
@@ -178,7 +182,9 @@ def timeline_earlier(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
     before = timeline.decode_before(request.GET.get("before", ""))
     if before is None:
-        raise Http404("give ?before= as the cursor the page showed")
+        raise params.BadParameter(
+            "before", "must be the position of an earlier page, as the run's page gave it"
+        )
     context = {"run": run, "timeline": timeline.latest(run, before=before)}
     return page(request, "dashboard/run.html", context, fragment="earlier")
 
@@ -186,10 +192,7 @@ def timeline_earlier(request: HttpRequest, ref: str) -> HttpResponse:
 @require_GET
 def checkpoint_list(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
-    try:
-        before = int(request.GET.get("before", ""))
-    except ValueError:
-        before = None
+    before = params.integer(request.GET, "before")
     rows, more = runinfo.checkpoint_rows(run, before)
     context = {"run": run, "checkpoints": rows, "more_checkpoints": more, "older": True}
     return page(request, "dashboard/run.html", context, fragment="checkpoint_rows")
@@ -202,15 +205,12 @@ def tree(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
     cp = states.checkpoint_or_404(run, seq)
     loaded = states.load(cp)
     pointer = request.GET.get("path", "")
-    try:
-        offset = max(0, int(request.GET.get("offset", 0)))
-    except ValueError:
-        offset = 0
+    offset = params.integer(request.GET, "offset", 0)
     context: dict = {"run": run, "checkpoint": cp, "error": loaded.error, "pointer": pointer}
     if loaded.ok:
         value = diffview.resolve(loaded.state, pointer)
         if value is diffview.MISSING:
-            raise Http404(f"checkpoint #{cp.seq} has nothing at {pointer!r}")
+            raise Http404(f"checkpoint #{cp.seq} has nothing at “{params.shown(pointer)}”")
         if diffview.secret_path(pointer):
             value = None
         if type(value) in (dict, list):

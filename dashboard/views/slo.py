@@ -5,16 +5,15 @@ from __future__ import annotations
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
+from dashboard import params, queries
 from dashboard.views.common import page
 from durability import slo
 
 
 @require_GET
 def slo_page(request: HttpRequest) -> HttpResponse:
-    window = request.GET.get("window", "24h")
-    if window not in slo.WINDOWS:
-        window = "24h"
-    agent = (request.GET.get("agent") or "").strip() or None
+    window = params.choice(request.GET, "window", slo.WINDOWS, "24h")
+    agent = queries.known_agent(request.GET) or None
     result = slo.report(window, agent=agent)
     context = {
         "nav": "slo",
