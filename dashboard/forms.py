@@ -23,6 +23,17 @@ class TokenField(forms.CharField):
         super().__init__(required=False, **kwargs)
 
 
+class VersionField(forms.IntegerField):
+    """The run version the page showed (its fencing token): the engine refuses the action if
+    the run moved on since, so a decision happens once however often it is posted. Optional
+    here so that the view can refuse a form without it with a 400 and its own sentence."""
+
+    widget = forms.HiddenInput
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(required=False, min_value=0, max_value=2**63 - 1, **kwargs)
+
+
 # Deeper than any state an agent keeps, and well within what the engine walks recursively
 # (redaction, canonical JSON: orjson stops at 255 levels).
 MAX_JSON_DEPTH = 100
@@ -64,6 +75,7 @@ class ReasonForm(forms.Form):
     # The run's status as the page showed it: acting on a run that changed meanwhile (a
     # colleague cancelled it) is refused. Absent, from a script: not checked.
     status = forms.CharField(max_length=16, required=False, widget=forms.HiddenInput)
+    version = VersionField()
 
     def __init__(self, *args: Any, reason_required: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,6 +90,7 @@ class RollbackForm(forms.Form):
     # operator acted, the run advanced), the confirmation is stale and is refused.
     expected_head = forms.IntegerField(min_value=0, max_value=INT_MAX, widget=forms.HiddenInput)
     expected_status = forms.CharField(max_length=16, required=False, widget=forms.HiddenInput)
+    version = VersionField()
     reason = forms.CharField(
         max_length=REASON_MAX, widget=forms.TextInput, help_text="Recorded in the audit log."
     )
@@ -127,6 +140,7 @@ class ResolveForm(forms.Form):
     )
     note = forms.CharField(max_length=REASON_MAX, required=False, widget=forms.TextInput)
     token = TokenField()
+    version = VersionField()
     # The attempts the page showed: a decision about attempt 1 must not settle attempt 2.
     attempts = forms.IntegerField(
         min_value=0, max_value=INT_MAX, required=False, widget=forms.HiddenInput
@@ -256,6 +270,7 @@ class SendForm(forms.Form):
     data = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), strip=False, required=False)
     as_json = forms.BooleanField(required=False, label="the message is JSON")
     token = TokenField()
+    version = VersionField()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -62,6 +62,13 @@ class InvalidTransition(InvalidInput):
     code = "DUR107"
 
 
+class Stale(InvalidTransition):
+    """The decision was made on a version of the run that is no longer current: another
+    decision (or a copy of this one) or a worker moved it on since. Nothing was changed."""
+
+    code = "DUR112"
+
+
 class AlreadyDecided(InvalidInput):
     code = "DUR108"
 

@@ -24,6 +24,7 @@ from durability.errors import (
     InvalidInput,
     InvalidTransition,
     NotAllowed,
+    Stale,
     StateTooLarge,
     UnknownApproval,
     UnknownCheckpoint,
@@ -372,16 +373,56 @@ def _check_status(run: Run, expected_status: str | None) -> None:
     """A decision made on a page showing the run in one state must not act on another: an
     operator resuming a waiting run must not revive one a colleague cancelled meanwhile."""
     if expected_status is not None and run.status != expected_status:
-        raise InvalidTransition(
+        raise Stale(
             f"the run changed since this was shown: it is {run.status} now, not"
-            f" {expected_status}; review it again",
+            f" {expected_status}{_last_change(run)}; review it again",
             run_id=run.id,
         )
 
 
-def resume(ref: Any, *, by: str = "", reason: str = "", expected_status: str | None = None) -> Run:
+def _check_version(run: Run, expected_version: int | None) -> None:
+    """Once per decision. The version of a run is its fencing token (``lease_token``), which
+    every operator transition (resume, cancel, rollback), every claim by a worker and every
+    requeue by the sweeper advances in the same statement as its change. A decision names the
+    version it was made on and is checked here under the run's row lock, so a second copy of
+    it (a double click without the form's token, a retried request, a script run twice) finds
+    the version moved and changes nothing, even after the run came back to the status the
+    decision expects (resumed, claimed and failed again). None: the caller decides on what
+    it reads inside this same locked transaction (the CLI without ``--expect-version``)."""
+    if expected_version is None or run.lease_token == expected_version:
+        return
+    raise Stale(
+        f"the run moved on since this was decided: it was at version {expected_version}, it is"
+        f" at {run.lease_token} now ({run.status}{_last_change(run)}); review it again",
+        run_id=run.id,
+    )
+
+
+def _last_change(run: Run) -> str:
+    """What changed the run last, for a refused decision: ", last: resumed by ann at ..."."""
+    event = (
+        Event.objects.filter(run=run)
+        .order_by("-id")
+        .only("kind", "actor", "worker", "created_at")
+        .first()
+    )
+    if event is None:
+        return ""
+    who = f" by {event.actor}" if event.actor else (f" on {event.worker}" if event.worker else "")
+    return f"; last: {event.get_kind_display()}{who} at {event.created_at:%H:%M:%S} UTC"
+
+
+def resume(
+    ref: Any,
+    *,
+    by: str = "",
+    reason: str = "",
+    expected_status: str | None = None,
+    expected_version: int | None = None,
+) -> Run:
     """Queue a failed, cancelled or waiting run again from its head checkpoint, which must
-    verify first. ``expected_status``: the status the operator saw; refused if it changed."""
+    verify first. ``expected_status`` and ``expected_version``: the status and version the
+    operator saw; refused (``Stale``) if either changed."""
     with transaction.atomic():
         run = _locked(ref)
         _check_status(run, expected_status)
@@ -393,6 +434,7 @@ def resume(ref: Any, *, by: str = "", reason: str = "", expected_status: str | N
             )
         if run.status in (RunStatus.QUEUED, RunStatus.RUNNING):
             raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
+        _check_version(run, expected_version)
         head = _checkpoint_of(run, run.head_seq)
         checkpoints.verified_state(head)  # refuse to queue what cannot be rehydrated
         previous = run.status
@@ -418,18 +460,25 @@ def resume(ref: Any, *, by: str = "", reason: str = "", expected_status: str | N
     return run
 
 
-def cancel(ref: Any, *, by: str = "", reason: str = "") -> Run:
+def cancel(
+    ref: Any,
+    *,
+    by: str = "",
+    reason: str = "",
+    expected_version: int | None = None,
+) -> Run:
     """Stop a run for good, and its unfinished child runs with it. A worker executing it is
-    fenced out at its next write."""
+    fenced out at its next write. ``expected_version``: the version the operator saw; refused
+    (``Stale``) if it moved on, e.g. a colleague resumed the run after this cancel landed."""
     with transaction.atomic():
-        run = _cancel_tree(ref, by=by, reason=reason)
+        run = _cancel_tree(ref, by=by, reason=reason, expected_version=expected_version)
     wake_parent(run)
     return run
 
 
-def _cancel_tree(ref: Any, *, by: str, reason: str) -> Run:
+def _cancel_tree(ref: Any, *, by: str, reason: str, expected_version: int | None = None) -> Run:
     """Cancel a run and every unfinished descendant, inside the caller's transaction."""
-    run = _cancel_one(ref, by=by, reason=reason)
+    run = _cancel_one(ref, by=by, reason=reason, expected_version=expected_version)
     pending = [run.id]
     while pending:
         children = list(Run.objects.filter(parent_run_id__in=pending).exclude(status__in=FINISHED))
@@ -439,11 +488,12 @@ def _cancel_tree(ref: Any, *, by: str, reason: str) -> Run:
     return run
 
 
-def _cancel_one(ref: Any, *, by: str, reason: str) -> Run:
+def _cancel_one(ref: Any, *, by: str, reason: str, expected_version: int | None = None) -> Run:
     """Inside the caller's transaction."""
     run = _locked(ref)
     if run.status in FINISHED:
         raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
+    _check_version(run, expected_version)
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.CANCELLED,
         lease_token=F("lease_token") + 1,
@@ -555,22 +605,24 @@ def rollback(
     reason: str = "",
     expected_head: int | None = None,
     expected_status: str | None = None,
+    expected_version: int | None = None,
 ) -> RollbackResult:
     """Make a new head whose state equals checkpoint ``to_seq`` and queue the run from
     there. History is kept; effects done after the target are listed, not undone.
 
-    ``expected_head`` and ``expected_status``: the head and status the operator's
-    confirmation was made for; if either changed since (another operator cancelled it, the
-    run moved on), the rollback is refused."""
+    ``expected_head``, ``expected_status`` and ``expected_version``: the head, status and
+    version the operator's confirmation was made for; if any changed since (another operator
+    cancelled it, the run moved on), the rollback is refused (``Stale``)."""
     with transaction.atomic():
         run = _locked(ref)
         _check_status(run, expected_status)
         if expected_head is not None and run.head_seq != expected_head:
-            raise InvalidTransition(
+            raise Stale(
                 f"the run changed since this rollback was reviewed: its head moved from"
                 f" #{expected_head} to #{run.head_seq}; review it again",
                 run_id=run.id,
             )
+        _check_version(run, expected_version)
         plan = plan_rollback(run, to_seq, checkpoint_id=checkpoint_id)
         target = plan.target
         checkpoints.verified_state(target)
@@ -774,9 +826,13 @@ def decide(
     comment: str = "",
     payload: Any = None,
     approval_id: int | None = None,
+    expected_version: int | None = None,
 ) -> Approval:
     """Record the decision on a pending approval. The first decision wins; a second one is
-    refused with who decided and when."""
+    refused with who decided and when. An approval named by ``approval_id`` is decided once
+    by its own status; one named by ``name`` may be asked again under that name after the
+    run went on, so ``expected_version`` (the run version the decision was made on) keeps a
+    repeated decision from settling the new question too."""
     with transaction.atomic():
         run = _locked(ref)
         asked = Approval.objects.filter(run=run)
@@ -808,6 +864,7 @@ def decide(
                 f" at {last.decided_at:%Y-%m-%d %H:%M:%S} UTC; the first decision stands",
                 run_id=run.id,
             )
+        _check_version(run, expected_version)
         check_may_decide(pending, by)
         edited = ""
         if payload is not None:
@@ -931,11 +988,14 @@ def resolve_effect(
     by: str = "",
     note: str = "",
     expected_attempts: int | None = None,
+    expected_version: int | None = None,
 ) -> Effect:
     """Say what happened to an effect in doubt: ``done`` (with its result), ``failed``
     (raised into the step as ``EffectFailed``) or ``retry`` (perform it again, same key).
     ``expected_attempts``: the attempts the operator saw; if the effect was performed again
-    since (a colleague chose retry), what they checked is out of date and it is refused."""
+    since (a colleague chose retry), what they checked is out of date and it is refused.
+    ``expected_version``: the run version the operator saw; a retry is performed by a new
+    claim, which moves it on, so a repeated resolve never settles the next attempt."""
     if outcome not in ("done", "failed", "retry"):
         raise InvalidInput(f"outcome must be done, failed or retry, not {outcome!r}")
     with transaction.atomic():
@@ -950,11 +1010,12 @@ def resolve_effect(
                 run_id=run.id,
             )
         if expected_attempts is not None and effect.attempts != expected_attempts:
-            raise InvalidTransition(
+            raise Stale(
                 f"effect {effect.key!r} was performed again since this was shown (attempt"
                 f" {effect.attempts}, not {expected_attempts}); review it again",
                 run_id=run.id,
             )
+        _check_version(run, expected_version)
         fields: dict[str, Any] = {"resolved_by": by, "resolution_note": note}
         if outcome == "done":
             canonical.check_json(result, what="effect result")
@@ -992,10 +1053,17 @@ def send(
     idempotency_key: str = "",
     by: str = "",
     reason: str = "",
+    expected_version: int | None = None,
 ) -> Message:
     """Deliver a message to a run, kept in order until a step takes it with
     ``ctx.wait_for(name)``. A send retried with the same ``idempotency_key`` is delivered
-    once (and returns the first delivery); the same key with other contents is an error."""
+    once (and returns the first delivery); the same key with other contents is an error.
+
+    ``expected_version``: the run version the sender saw. A send does not move the version
+    (it must not fence out the worker executing the run), so without a key of its own the
+    send's identity is that version with the message's name and contents: the same message
+    sent again on the same version of the run (a double click, a retried request) is
+    delivered once; sent again after the run moved on, it is refused as stale."""
     if not isinstance(name, str) or not name.strip() or len(name) > 200:
         raise InvalidInput("a message needs a name of 1 to 200 characters")
     if len(idempotency_key) > 255:
@@ -1004,6 +1072,9 @@ def send(
         canonical.loads(_encoded(data, "message data", "DURABILITY_MAX_INPUT_BYTES", 1 << 20))
     )
     text = canonical.dumps(payload).decode()
+    if not idempotency_key and expected_version is not None:
+        digest = canonical.sha256_hex(name.encode() + b"\x1f" + text.encode())
+        idempotency_key = f"version:{expected_version}:{digest}"
     with transaction.atomic():
         run = _locked(ref)
         if idempotency_key:
@@ -1020,6 +1091,7 @@ def send(
             raise InvalidTransition(
                 f"the run is {run.status}; it takes no more messages", run_id=run.id
             )
+        _check_version(run, expected_version)
         message = Message.objects.create(
             run=run, name=name, data=text, idempotency_key=idempotency_key, sent_by=by
         )

@@ -7,6 +7,7 @@ first did; bad input gets a clear error and changes nothing; every action is aud
 from __future__ import annotations
 
 import json
+import re
 from uuid import uuid4
 
 import pytest
@@ -45,6 +46,18 @@ __all__ = ["as_operator", "as_viewer", "dash_agents", "operator", "viewer"]
 
 def url(name: str, *args) -> str:
     return reverse(f"dashboard:{name}", args=args)
+
+
+def version(run: Run) -> int:
+    """The run version a page showing the run now would post."""
+    return Run.objects.get(pk=run.pk).lease_token
+
+
+def form_version(html: str, prefix: str = "") -> str:
+    name = f"{prefix}-version" if prefix else "version"
+    match = re.search(rf'name="{name}" value="([^"]+)"', html)
+    assert match, f"no run version {name!r} in the form"
+    return match.group(1)
 
 
 def failed_run() -> Run:
@@ -104,7 +117,11 @@ def test_csrf_is_enforced_on_actions(operator):
     token = csrf_from(page)
     accepted = client.post(
         url("cancel", run.id),
-        {"cancel-reason": "with token", "csrfmiddlewaretoken": token},
+        {
+            "cancel-reason": "with token",
+            "cancel-version": version(run),
+            "csrfmiddlewaretoken": token,
+        },
     )
     assert accepted.status_code == 302
     assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
@@ -125,7 +142,9 @@ def test_csrf_is_enforced_on_actions(operator):
 
 def test_resume_a_cancelled_run_and_it_is_audited(as_operator):
     run = failed_run()
-    response = as_operator.post(url("resume", run.id), {"resume-reason": "try again"})
+    response = as_operator.post(
+        url("resume", run.id), {"resume-reason": "try again", "resume-version": version(run)}
+    )
     assert response.status_code == 302 and response["Location"] == url("run", run.id)
     run.refresh_from_db()
     assert run.status == RunStatus.QUEUED
@@ -138,12 +157,19 @@ def test_resume_a_cancelled_run_and_it_is_audited(as_operator):
 def test_cancel_needs_a_reason_and_the_second_cancel_is_told_who_did_it(as_operator):
     run = waiting_run("Cancel?")
     before = counts()
-    missing = as_operator.post(url("cancel", run.id), {"cancel-reason": ""})
+    shown = version(run)
+    missing = as_operator.post(
+        url("cancel", run.id), {"cancel-reason": "", "cancel-version": shown}
+    )
     assert missing.status_code == 422 and counts() == before
-    first = as_operator.post(url("cancel", run.id), {"cancel-reason": "wrong customer"})
+    first = as_operator.post(
+        url("cancel", run.id), {"cancel-reason": "wrong customer", "cancel-version": shown}
+    )
     assert first.status_code == 302
     assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
-    second = as_operator.post(url("cancel", run.id), {"cancel-reason": "me too"})
+    second = as_operator.post(
+        url("cancel", run.id), {"cancel-reason": "me too", "cancel-version": shown}
+    )
     html = text_of(second)
     assert second.status_code == 409
     assert "already cancelled" in html and "cancelled by olive" in html
@@ -155,7 +181,11 @@ def test_the_same_form_submitted_twice_acts_once(as_operator):
     run = failed_run()
     page = text_of(as_operator.get(url("run", run.id)))
     token = form_token(page, "resume")
-    data = {"resume-reason": "double click", "resume-token": token}
+    data = {
+        "resume-reason": "double click",
+        "resume-token": token,
+        "resume-version": form_version(page, "resume"),
+    }
     assert as_operator.post(url("resume", run.id), data).status_code == 302
     again = as_operator.post(url("resume", run.id), data)
     assert again.status_code == 409
@@ -187,6 +217,7 @@ def test_rollback_confirmation_lists_effects_done_after_the_target(as_operator):
         {
             "checkpoint_id": run.checkpoints.get(seq=1).id,
             "expected_head": run.head_seq,
+            "version": form_version(html),
             "reason": "the answer was wrong",
             "token": form_token(html),
         },
@@ -210,6 +241,7 @@ def test_a_double_submitted_or_stale_rollback_is_refused(as_operator, operator):
     data = {
         "checkpoint_id": run.checkpoints.get(seq=1).id,
         "expected_head": run.head_seq,
+        "version": form_version(html),
         "reason": "once",
         "token": form_token(html),
     }
@@ -237,6 +269,7 @@ def test_rollback_to_a_checkpoint_of_another_run_is_refused(as_operator):
         {
             "checkpoint_id": other.checkpoints.get(seq=1).id,
             "expected_head": run.head_seq,
+            "version": version(run),
             "reason": "cross-run",
             "token": "11111111-2222-3333-4444-555555555555",
         },
@@ -364,23 +397,33 @@ def test_resolve_an_effect_in_doubt(as_operator, faults):
     page = as_operator.get(url("resolve", run.id, effect.pk))
     assert page.status_code == 200 and effect.idempotency_key in text_of(page)
     before = counts()
+    shown = form_version(text_of(page))
+    assert shown == str(version(run))
     bad = as_operator.post(
-        url("resolve", run.id, effect.pk), {"outcome": "done", "result": "{not json"}
+        url("resolve", run.id, effect.pk),
+        {"outcome": "done", "result": "{not json", "version": shown},
     )
     assert bad.status_code == 422 and "the result is not valid JSON" in text_of(bad)
     assert counts() == before
     assert Effect.objects.get(pk=effect.pk).status == EffectStatus.IN_DOUBT
     done = as_operator.post(
         url("resolve", run.id, effect.pk),
-        {"outcome": "done", "result": '{"sent": "money"}', "note": "checked the bank"},
+        {
+            "outcome": "done",
+            "result": '{"sent": "money"}',
+            "note": "checked the bank",
+            "version": shown,
+        },
     )
     assert done.status_code == 302
     effect.refresh_from_db()
     assert (effect.status, effect.resolved_by) == (EffectStatus.DONE, "olive")
     assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
-    twice = as_operator.post(url("resolve", run.id, effect.pk), {"outcome": "retry"})
+    twice = as_operator.post(
+        url("resolve", run.id, effect.pk), {"outcome": "retry", "version": shown}
+    )
     assert twice.status_code == 409 and "resolved by olive" in text_of(twice)
-    other = as_operator.post(url("resolve", run.id, 999999), {"outcome": "retry"})
+    other = as_operator.post(url("resolve", run.id, 999999), {"outcome": "retry", "version": shown})
     assert other.status_code == 404
 
 
@@ -502,6 +545,7 @@ def test_send_the_message_a_run_waits_for_once(as_operator):
             "send-data": '{"text": "yes"}',
             "send-as_json": "on",
             "send-token": form_token(page, "send"),
+            "send-version": form_version(page, "send"),
         }
         assert as_operator.post(url("send", run.id), data).status_code == 302
         assert as_operator.post(url("send", run.id), data).status_code == 302
@@ -562,6 +606,7 @@ def test_a_stale_rollback_or_resume_does_not_revive_a_run_cancelled_meanwhile(as
             "checkpoint_id": run.checkpoints.get(seq=1).id,
             "expected_head": run.head_seq,
             "expected_status": "waiting",
+            "version": form_version(confirm),
             "reason": "go back",
             "token": form_token(confirm),
         },
@@ -570,7 +615,11 @@ def test_a_stale_rollback_or_resume_does_not_revive_a_run_cancelled_meanwhile(as
     assert "it is cancelled now, not waiting" in text_of(rollback)
     resume = as_operator.post(
         url("resume", run.id),
-        {"resume-status": "waiting", "resume-token": form_token(run_page, "resume")},
+        {
+            "resume-status": "waiting",
+            "resume-version": form_version(run_page, "resume"),
+            "resume-token": form_token(run_page, "resume"),
+        },
     )
     assert resume.status_code == 409 and "it is cancelled now" in text_of(resume)
     assert Run.objects.get(pk=run.id).status == RunStatus.CANCELLED
@@ -580,7 +629,11 @@ def test_a_stale_rollback_or_resume_does_not_revive_a_run_cancelled_meanwhile(as
     assert 'name="resume-status" value="cancelled"' in fresh
     again = as_operator.post(
         url("resume", run.id),
-        {"resume-status": "cancelled", "resume-token": form_token(fresh, "resume")},
+        {
+            "resume-status": "cancelled",
+            "resume-version": form_version(fresh, "resume"),
+            "resume-token": form_token(fresh, "resume"),
+        },
     )
     assert again.status_code == 302 and Run.objects.get(pk=run.id).status == RunStatus.QUEUED
 
@@ -591,8 +644,10 @@ def test_a_stale_resolve_form_does_not_settle_an_effect_performed_again(as_opera
     run, effect = in_doubt_run(faults)
     page = text_of(as_operator.get(url("resolve", run.id, effect.pk)))
     assert f'name="attempts" value="{effect.attempts}"' in page
+    shown = form_version(page)
     retry = as_operator.post(
-        url("resolve", run.id, effect.pk), {"outcome": "retry", "attempts": effect.attempts}
+        url("resolve", run.id, effect.pk),
+        {"outcome": "retry", "attempts": effect.attempts, "version": shown},
     )
     assert retry.status_code == 302
     # The worker performs it again (what ctx.effect writes before calling it).
@@ -601,7 +656,12 @@ def test_a_stale_resolve_form_does_not_settle_an_effect_performed_again(as_opera
     )
     stale = as_operator.post(
         url("resolve", run.id, effect.pk),
-        {"outcome": "done", "result": '{"fake": true}', "attempts": effect.attempts},
+        {
+            "outcome": "done",
+            "result": '{"fake": true}',
+            "attempts": effect.attempts,
+            "version": shown,
+        },
     )
     assert stale.status_code == 409 and "performed again since this was shown" in text_of(stale)
     assert Effect.objects.get(pk=effect.pk).status == EffectStatus.PENDING

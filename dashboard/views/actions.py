@@ -78,6 +78,22 @@ def _duplicate(request: HttpRequest, run: Run, dup: AlreadySubmitted) -> HttpRes
     return refused(request, run, message, 409, title="Already done")
 
 
+NO_VERSION = (
+    "This form does not say which version of the run it was made on (its hidden “version”"
+    " field), so it cannot be told apart from a copy of a decision already carried out."
+    " Nothing was changed: reload the run's page and act from there."
+)
+
+
+def _version(request: HttpRequest, field: str) -> int | None:
+    """The run version the form was made on (the engine acts only if the run is still at it,
+    so the decision happens once); None when the form lacks it or it is not a version."""
+    raw = request.POST.get(field, "")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+        return None
+    return int(raw)
+
+
 def _spend_if_given(token: Any, *, action: str, request: HttpRequest, run: Run) -> Any:
     if token:
         return spend(token, action=action, username=_who(request), run_id=run.id)
@@ -91,6 +107,9 @@ def _spend_if_given(token: Any, *, action: str, request: HttpRequest, run: Run) 
 @operator_required
 def resume(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
+    version = _version(request, "resume-version")
+    if version is None:
+        return refused(request, run, NO_VERSION, 400)
     form = ReasonForm(request.POST, prefix="resume")
     if not form.is_valid():
         return refused(request, run, "the reason is too long (2,000 characters at most)", 422)
@@ -104,6 +123,7 @@ def resume(request: HttpRequest, ref: str) -> HttpResponse:
                 by=_who(request),
                 reason=form.cleaned_data["reason"],
                 expected_status=form.cleaned_data["status"] or None,
+                expected_version=version,
             )
             if sub is not None:
                 sub.outcome = "The run was resumed."
@@ -120,6 +140,9 @@ def resume(request: HttpRequest, ref: str) -> HttpResponse:
 @operator_required
 def cancel(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
+    version = _version(request, "cancel-version")
+    if version is None:
+        return refused(request, run, NO_VERSION, 400)
     form = ReasonForm(request.POST, prefix="cancel", reason_required=True)
     if not form.is_valid():
         return refused(request, run, "say why you cancel the run (the audit log keeps it)", 422)
@@ -128,7 +151,12 @@ def cancel(request: HttpRequest, ref: str) -> HttpResponse:
             sub = _spend_if_given(
                 form.cleaned_data["token"], action="cancel", request=request, run=run
             )
-            operations.cancel(run, by=_who(request), reason=form.cleaned_data["reason"])
+            operations.cancel(
+                run,
+                by=_who(request),
+                reason=form.cleaned_data["reason"],
+                expected_version=version,
+            )
             if sub is not None:
                 sub.outcome = "The run was cancelled."
                 sub.save(update_fields=["outcome"])
@@ -162,6 +190,7 @@ def rollback(request: HttpRequest, ref: str) -> HttpResponse:
             "checkpoint_id": plan.target.id,
             "expected_head": run.head_seq,
             "expected_status": run.status,
+            "version": run.lease_token,
         }
     )
     return _rollback_page(request, run, plan, form)
@@ -191,6 +220,9 @@ def _rollback_page(
 
 
 def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
+    version = _version(request, "version")
+    if version is None:
+        return refused(request, run, NO_VERSION, 400)
     form = RollbackForm(request.POST)
     if not form.is_valid():
         try:
@@ -216,6 +248,7 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
                 reason=data["reason"],
                 expected_head=data["expected_head"],
                 expected_status=data["expected_status"] or None,
+                expected_version=version,
             )
             sub.outcome = (
                 f"It rolled the run back to #{result.target.seq} (new head"
@@ -348,8 +381,11 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
         else None,
     }
     if request.method == "GET":
-        form = ResolveForm(initial={"attempts": effect.attempts})
+        form = ResolveForm(initial={"attempts": effect.attempts, "version": run.lease_token})
         return page(request, "dashboard/resolve.html", {**context, "form": form})
+    version = _version(request, "version")
+    if version is None:
+        return refused(request, run, NO_VERSION, 400)
     form = ResolveForm(request.POST)
     if not form.is_valid():
         return page(request, "dashboard/resolve.html", {**context, "form": form}, status=422)
@@ -365,6 +401,7 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
                 by=_who(request),
                 note=data["note"],
                 expected_attempts=data["attempts"],
+                expected_version=version,
             )
             if sub is not None:
                 sub.outcome = f"It marked effect {effect.key} {data['outcome']}."
@@ -391,8 +428,13 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
 @operator_required
 def send(request: HttpRequest, ref: str) -> HttpResponse:
     """Send a message to a run (a chat turn, a reply it waits for). The form's one-time
-    token is the message's idempotency key: a double submit delivers it once."""
+    token is the message's idempotency key: a double submit delivers it once. Without the
+    token, the engine keys the message by the run version the form was made on and its
+    contents: the same message posted again on that version is still delivered once."""
     run = states.run_or_404(ref)
+    version = _version(request, "send-version")
+    if version is None:
+        return refused(request, run, NO_VERSION, 400)
     form = SendForm(request.POST, prefix="send")
     if not form.is_valid():
         return refused(request, run, _errors(form), 422)
@@ -404,6 +446,7 @@ def send(request: HttpRequest, ref: str) -> HttpResponse:
             data["value"],
             idempotency_key=f"dashboard:{data['token']}" if data["token"] else "",
             by=_who(request),
+            expected_version=version,
         )
     except DurabilityError as exc:
         return _engine_refused(request, run, exc)
