@@ -184,6 +184,7 @@ AXES_LOCKOUT_CALLABLE = "dashboard.lockout.locked_out"
 AXES_VERBOSE = False
 CLIENT_IP_HEADER = env_str("CLIENT_IP_HEADER", "")
 AXES_CLIENT_IP_CALLABLE = "dashboard.lockout.client_ip"
+AXES_USERNAME_CALLABLE = "dashboard.lockout.username_of"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

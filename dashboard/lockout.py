@@ -3,6 +3,7 @@ again, with a sentence that says why and for how long, and 429 Too Many Requests
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from django.conf import settings
@@ -27,14 +28,30 @@ def locked_out(
     return render(request, "registration/login.html", context, status=429)
 
 
-def client_ip(request: HttpRequest) -> str:
+def client_ip(request: HttpRequest) -> str | None:
     """The address a sign-in is counted against: the last one the proxy named in
     ``CLIENT_IP_HEADER`` (the one it appended; those before it the client could have
-    written), else the peer's."""
+    written), else the peer's. Only an address: anything else would fail to be stored."""
     header = getattr(settings, "CLIENT_IP_HEADER", "")
+    candidates = []
     if header:
         key = "HTTP_" + header.strip().upper().replace("-", "_")
         named = [part.strip() for part in request.META.get(key, "").split(",") if part.strip()]
-        if named:
-            return named[-1][:100]
-    return request.META.get("REMOTE_ADDR", "")
+        candidates += named[-1:]
+    candidates.append(request.META.get("REMOTE_ADDR", ""))
+    for candidate in candidates:
+        try:
+            return str(ipaddress.ip_address(candidate))
+        except ValueError:
+            continue
+    return None
+
+
+def username_of(request: HttpRequest, credentials: dict | None) -> str | None:
+    """The username a sign-in is counted against, cut to what the attempts table stores
+    (a longer one names no account anyway) and without NUL, which it cannot store."""
+    source = credentials if credentials else getattr(request, "POST", {})
+    username = source.get("username") if source else None
+    if username is None:
+        return None
+    return str(username).replace("\x00", "")[:150]
