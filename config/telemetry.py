@@ -168,7 +168,8 @@ def setup(role: str, *, django: bool = False) -> bool:
         processors = []
         tracer_provider = TracerProvider(resource=resource)
         for name in span_exporters:
-            processor = BatchSpanProcessor(_span_exporter(name))
+            # Scrubbed of the executing run's secrets as each span ends (durability/redact.py).
+            processor = spans.Redacting(BatchSpanProcessor(_span_exporter(name)))
             tracer_provider.add_span_processor(processor)
             processors.append(processor)
         trace.set_tracer_provider(tracer_provider)

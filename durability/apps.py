@@ -8,8 +8,19 @@ class DurabilityConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.db import connections
+        from django.db.backends.signals import connection_created
+
+        from durability import redact
+
         checks.register(check_settings, "durability")
         checks.register(check_agents, "durability")
+        # The redaction gate (durability/redact.py) on every statement of every connection,
+        # those opened before this point included, and on every log record.
+        connection_created.connect(redact.on_connection_created, dispatch_uid="durability.gate")
+        for conn in connections.all(initialized_only=True):
+            redact.install_database_gate(conn)
+        redact.install_log_gate()
 
 
 def check_settings(app_configs=None, **kwargs):

@@ -29,6 +29,7 @@ from typing import Any
 
 from django.conf import settings
 
+from durability import redact
 from durability.errors import IntegrityViolation, InvalidInput
 
 KEY = "$blob"
@@ -47,7 +48,9 @@ def _name(digest: str) -> str:
 
 
 def put(value: str | bytes) -> dict:
-    """Store ``value`` (once) and return its reference."""
+    """Store ``value`` (once) and return its reference. A secret of the execution storing it
+    is redacted first (``durability.redact``): the reference names what is stored."""
+    value = redact.scrub(value)
     if isinstance(value, str):
         data, kind = value.encode(), "text"
     elif isinstance(value, bytes | bytearray | memoryview):

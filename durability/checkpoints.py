@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
-from durability import canonical, diff, inflight
+from durability import canonical, diff, inflight, redact
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
 from durability.faults import fault, faults_armed
 from durability.models import (
@@ -386,6 +386,8 @@ def fetch_one_prepared(sql: str, params: dict[str, Any]) -> tuple | None:
         # prepare=True. A threshold no query reaches turns it back on for explicit requests
         # only: Django's own queries stay unprepared.
         raw.prepare_threshold = 2**31 - 1
+    # A cursor of psycopg's own passes no execute wrapper: the redaction gate, here.
+    params = redact.scrub(params)
     with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
         cur.execute(sql, params, prepare=prepare or None)
         return cur.fetchone()

@@ -46,7 +46,7 @@ from durability.models import (
     Run,
     WaitReason,
 )
-from durability.redact import redact
+from durability.redact import MIN_SECRET_CHARS, accepted_hashes, keyed_hash, redact, remember
 
 NOT_DONE = object()
 """What a ``reconcile`` function returns when it knows the effect did not happen."""
@@ -89,15 +89,39 @@ def _unhashable(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
-def args_hash(args: tuple, kwargs: dict) -> str:
+def _args_bytes(args: tuple, kwargs: dict) -> bytes:
     import orjson
 
-    data = orjson.dumps(
+    return orjson.dumps(
         [list(args), kwargs],
         default=_unhashable,
         option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS,
     )
-    return canonical.sha256_hex(data)
+
+
+def args_hash(args: tuple, kwargs: dict) -> str:
+    """The stored hash of a call's arguments: keyed (``redact.keyed_hash``), so that it
+    verifies no secret among them."""
+    return ArgsHash(args, kwargs).value
+
+
+class ArgsHash:
+    """The arguments of one call or effect, hashed under the current key; ``matches`` also
+    accepts what rows written under a fallback key or before hashes were keyed hold."""
+
+    __slots__ = ("_data", "_accepted", "value")
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self._data = _args_bytes(args, kwargs)
+        self._accepted: set[str] | None = None
+        self.value = keyed_hash(self._data)
+
+    def matches(self, stored: str) -> bool:
+        if stored == self.value:
+            return True
+        if self._accepted is None:
+            self._accepted = accepted_hashes(self._data)
+        return stored in self._accepted
 
 
 class Context:
@@ -176,8 +200,10 @@ class Context:
         self._occurrences[(table, key)] = occurrence + 1
         return occurrence
 
-    def _check_same(self, what: str, key: str, occ: int, rec: Any, fn: str, ahash: str) -> None:
-        if rec.function != fn or rec.args_hash != ahash:
+    def _check_same(
+        self, what: str, key: str, occ: int, rec: Any, fn: str, ahash: ArgsHash
+    ) -> None:
+        if rec.function != fn or not ahash.matches(rec.args_hash):
             changed = "function" if rec.function != fn else "arguments"
             raise NonDeterminismError(
                 f"step {self.step!r} replayed {what} {key!r} (occurrence {occ}) after"
@@ -199,7 +225,7 @@ class Context:
         self._settled()
         occ = self._next("journal", key)
         fname = function_name(fn)
-        ahash = args_hash(args, kwargs)
+        ahash = ArgsHash(args, kwargs)
         rec = self._records.journal.get((key, occ))
         if rec is not None:
             self._check_same("call", key, occ, rec, fname, ahash)
@@ -232,7 +258,7 @@ class Context:
             kind=kind,
             step=self.step,
             function=fname,
-            args_hash=ahash,
+            args_hash=ahash.value,
             result=data.decode(),
             duration_ms=duration_ms,
             meta=meta or _llm_meta(value),
@@ -307,7 +333,17 @@ class Context:
                 " worker's environment",
                 run_id=self.run_id,
             )
+        if len(value) < MIN_SECRET_CHARS:
+            # Every written string is scrubbed of it: a short one would also rewrite
+            # identifiers and names that happen to contain it.
+            raise SecretMissing(
+                f"step {self.step!r} reads the secret {name}, which is {len(value)} characters"
+                f" long: a secret must have at least {MIN_SECRET_CHARS} to be redacted"
+                " reliably",
+                run_id=self.run_id,
+            )
         self.secrets.add(value)
+        remember(value)
         return value
 
     # --- large values -------------------------------------------------------------------------
@@ -387,7 +423,7 @@ class Context:
         self._durable_point()
         occ = self._next("effect", key)
         fname = function_name(fn)
-        ahash = args_hash(args, kwargs)
+        ahash = ArgsHash(args, kwargs)
         rec: Effect | None = self._records.effects.get((key, occ))
         if rec is not None and rec.status == EffectStatus.WOULD_RUN:
             return None
@@ -422,7 +458,7 @@ class Context:
         return self._perform(rec, fn, args, kwargs)
 
     def _would_run(
-        self, key: str, occ: int, fname: str, ahash: str, args: tuple, kwargs: dict
+        self, key: str, occ: int, fname: str, ahash: ArgsHash, args: tuple, kwargs: dict
     ) -> None:
         """A what-if fork that is not live records the effect it would have run, with its
         arguments, and runs nothing."""
@@ -435,7 +471,7 @@ class Context:
         key: str,
         occ: int,
         fname: str,
-        ahash: str,
+        ahash: ArgsHash,
         args: tuple,
         kwargs: dict,
         status: str,
@@ -453,7 +489,7 @@ class Context:
             step=self.step,
             function=fname,
             args=canonical.dumps(args_json).decode(),
-            args_hash=ahash,
+            args_hash=ahash.value,
             idempotency_key=f"{self.run_id}:{self._base_id}:{key}:{occ}",
             idempotent=idempotent,
             status=status,
@@ -789,10 +825,10 @@ class WhatIf:
             ]
         return self._pool
 
-    def take(self, key: str, function: str, args_hash: str) -> JournalEntry | None:
+    def take(self, key: str, function: str, ahash: ArgsHash) -> JournalEntry | None:
         pool = self._candidates()
         for i, entry in enumerate(pool):
-            if entry.key == key and entry.function == function and entry.args_hash == args_hash:
+            if entry.key == key and entry.function == function and ahash.matches(entry.args_hash):
                 return pool.pop(i)
         return None
 

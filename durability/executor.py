@@ -68,7 +68,8 @@ from durability.models import (
     RunStatus,
     WaitReason,
 )
-from durability.redact import is_secret_key, redact
+from durability.redact import contains_secret, is_secret_key, redact
+from durability.redact import scope as secrets_scope
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,12 @@ def execute(
         if slice_seconds is None:
             slice_seconds = float(getattr(settings, "DURABILITY_SLICE_SECONDS", 60.0))
         execution = Execution(claim, keeper, worker, should_stop or _never, slice_seconds)
-        with telemetry.execution(claim.run, worker, claim.run.trace_exec) as span:
+        # Whatever this execution writes, wherever, passes the redaction gate with the
+        # secrets its steps read (durability/redact.py); its span ends inside the scope too.
+        with (
+            secrets_scope(execution.secrets),
+            telemetry.execution(claim.run, worker, claim.run.trace_exec) as span,
+        ):
             _trace_claim(claim, span)
             try:
                 outcome = execution.run()
@@ -774,6 +780,14 @@ class Execution:
             redact(live, self.secrets)
             new_bytes = canonical.dumps(live, what=f"state after step {step!r}")
             ops = diff.diff(self.pristine, live)
+        if self.secrets and contains_secret(new_bytes, self.secrets):
+            # Only a key can still hold one: keys are not redacted, and the gate would change
+            # these bytes after they were hashed.
+            raise StepError(
+                f"step {step!r} put a secret read with ctx.secret in a key of the state;"
+                " keys are never redacted: keep secrets out of state",
+                run_id=self.run_id,
+            )
         if len(new_bytes) > self.max_state:
             raise StateTooLarge(
                 f"state after step {step!r} is {len(new_bytes):,} bytes, over the limit of"
@@ -1111,12 +1125,12 @@ class Execution:
             message = exc.message
         else:
             message = f"{type(exc).__name__}: {exc}"
-        message, _ = redact(message, self.secrets)
+        # Secrets in the message or the traceback are scrubbed by the gate as they are
+        # written (run, events, log, span): this runs inside the execution's scope.
         self.failure = message
         detail = {"error": message, "type": type(exc).__name__}
         if not isinstance(exc, DurabilityError):
-            tb = "".join(traceback.format_exception(exc)[-12:])
-            detail["traceback"], _ = redact(tb, self.secrets)
+            detail["traceback"] = "".join(traceback.format_exception(exc)[-12:])
         with transaction.atomic():
             if not leases.release(
                 self.run_id,

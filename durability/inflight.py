@@ -27,6 +27,8 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
 from psycopg import errors, pq
 
+from durability import redact
+
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
@@ -74,7 +76,7 @@ class Bound:
         self.query, self.names, self.values = query, names, values
 
     def set(self, name: str, value: Any) -> None:
-        self.values[self.names.index(name)] = _text(value)
+        self.values[self.names.index(name)] = _text(redact.scrub(value))
 
 
 class Channel:
@@ -114,6 +116,8 @@ class Channel:
         if numbered_sql is None:
             numbered_sql = self._statements[sql] = numbered(sql)
         query, names = numbered_sql
+        # Not a Django cursor, so no execute wrapper: the redaction gate, here.
+        params = redact.scrub(params)
         return Bound(query, names, [_text(params[name]) for name in names])
 
     def send(self, sql: str, params: dict[str, Any]) -> None:

@@ -14,6 +14,10 @@ It is used only where that is what the SDK would have done:
   so the SDK's decision for this child is known (record and sample) without asking it;
 - a limit on attribute values from the standard variables is applied as the SDK would.
 Everywhere else ``start`` returns None and the caller takes the SDK's path.
+
+Text on a span passes the redaction gate (``durability.redact``) when the span ends, in the
+thread that made it: here for the engine's spans, and in ``Redacting``, the processor
+``config.telemetry`` puts in front of the SDK's, for everyone else's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
+
+from durability import redact
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +84,70 @@ def install(provider: TracerProvider, processors: Sequence[SpanProcessor]) -> No
     """Hand the engine's spans to ``processors`` (those of ``provider``, which must be the
     global tracer provider for this to take effect)."""
     global _pipeline
-    _pipeline = _Pipeline(provider, processors)
+    # The engine's spans are scrubbed as they end: not twice.
+    inner = [p.inner if isinstance(p, Redacting) else p for p in processors]
+    _pipeline = _Pipeline(provider, inner)
+
+
+def _scrubbed_status(status: Status, secrets: set[str]) -> Status:
+    if status.description and redact.contains_secret(status.description, secrets):
+        return Status(status.status_code, redact.scrub(status.description, secrets))
+    return status
+
+
+def _scrubbed_events(events: Sequence[Event], secrets: set[str]) -> tuple[Event, ...]:
+    return tuple(
+        Event(
+            redact.scrub(e.name, secrets),
+            redact.scrub(dict(e.attributes), secrets) if e.attributes else e.attributes,
+            e.timestamp,
+        )
+        for e in events
+    )
+
+
+def redacted(span: ReadableSpan, secrets: set[str]) -> ReadableSpan:
+    """A copy of ``span`` with ``secrets`` replaced in its name, attributes, events, links and
+    status."""
+    return ReadableSpan(
+        name=redact.scrub(span.name, secrets),
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=redact.scrub(dict(span.attributes or {}), secrets),
+        events=_scrubbed_events(span.events, secrets),
+        links=tuple(
+            Link(link.context, redact.scrub(dict(link.attributes or {}), secrets))
+            for link in span.links
+        ),
+        kind=span.kind,
+        status=_scrubbed_status(span.status, secrets),
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+class Redacting(SpanProcessor):
+    """In front of a span processor: a span that ends while an execution's secrets are in
+    scope is handed on scrubbed. (Exporting happens on other threads, where the scope is
+    not visible: this is the last point where it is.)"""
+
+    def __init__(self, inner: SpanProcessor) -> None:
+        self.inner = inner
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.inner.on_start(span, parent_context=parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        secrets = redact.active()
+        self.inner.on_end(redacted(span, secrets) if secrets else span)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
 
 
 def uninstall() -> None:
@@ -198,6 +267,12 @@ class Span(trace.Span):
         self._ended = True
         pipeline = self._pipeline
         attributes: Any = self._attributes
+        secrets = redact.active()
+        if secrets:
+            self._name = redact.scrub(self._name, secrets)
+            attributes = redact.scrub(attributes, secrets)
+            self._events = list(_scrubbed_events(self._events, secrets))
+            self._status = _scrubbed_status(self._status, secrets)
         if pipeline.max_value_len is not None or len(attributes) > pipeline.max_attributes:
             attributes = BoundedAttributes(
                 pipeline.max_attributes,
@@ -240,6 +315,10 @@ def record(
         return False
     if not context.trace_flags.sampled:
         return False
+    secrets = redact.active()
+    if secrets:
+        name, attributes = redact.scrub(name, secrets), redact.scrub(attributes, secrets)
+        status = _scrubbed_status(status, secrets)
     finished = ReadableSpan(
         name=name,
         context=context,

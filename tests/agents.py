@@ -5,6 +5,7 @@ side, across worker processes."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import urllib.request
@@ -160,3 +161,55 @@ def finish(state, ctx):
     time.sleep(0.05)
     state["done"] = True
     return END
+
+
+# Secrets: one run through every write path with the value of ``TEST_CANARY`` (read with
+# ctx.secret) in each: state, a large state value (the blob store), a blob, call arguments
+# and result, effect arguments, result and error, a message, a log record, a transient
+# error, an approval payload, and the final error. Nothing of it may be written anywhere.
+# Retried after 1 to 2 s: long enough for the test to read the run's wait detail.
+secrets_agent = Agent("test-secrets", version="1", max_retries=3, retry_base=2.0, retry_cap=2.0)
+secrets_log = logging.getLogger("tests.agents.secrets")
+
+
+def echo_secret(key: str, greeting: str) -> dict:
+    return {"echoed": key, "greeting": greeting}
+
+
+def send_with_secret(key: str, *, header: str, idempotency_key: str) -> dict:
+    return {"sent_with": header, "key": key}
+
+
+def refuse_with_secret(key: str, *, idempotency_key: str) -> dict:
+    raise RuntimeError(f"the remote refused the key {key}")
+
+
+@secrets_agent.step(start=True)
+def leak(state, ctx):
+    from durability import operations
+
+    key = ctx.secret("TEST_CANARY")
+    secrets_log.warning("step leak holds %s", key)
+    state["note"] = f"token {key}"
+    state["big"] = key + "y" * 3000  # over the test's DURABILITY_BLOB_BYTES: a blob
+    state["blob"] = ctx.put_blob(f"blob of {key}")
+    state["echo"] = ctx.call("echo", echo_secret, key, f"hello {key}")
+    state["sent"] = ctx.effect("send", send_with_secret, key, header=f"Bearer {key}")
+    try:
+        ctx.effect("refused", refuse_with_secret, key)
+    except RuntimeError as exc:
+        secrets_log.warning("effect failed", exc_info=exc)
+    operations.send(ctx.run_id, "note", {"text": f"note {key}"}, idempotency_key="note-1")
+    state["message"] = ctx.wait_for("note")
+    if ctx.retry == 0:
+        raise Transient(f"upstream rate limit for key {key}")
+    decision = ctx.approval("go", {"note": f"pay with {key}", "api_key": key})
+    state["approved"] = decision.approved
+    return "explode"
+
+
+@secrets_agent.step()
+def explode(state, ctx):
+    key = ctx.secret("TEST_CANARY")
+    state["after"] = f"approved with {key}"
+    raise RuntimeError(f"the final call failed with {key}")
