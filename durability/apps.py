@@ -8,6 +8,7 @@ class DurabilityConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.core.signals import setting_changed
         from django.db import connections
         from django.db.backends.signals import connection_created
 
@@ -21,6 +22,7 @@ class DurabilityConfig(AppConfig):
         for conn in connections.all(initialized_only=True):
             redact.install_database_gate(conn)
         redact.install_log_gate()
+        setting_changed.connect(redact.on_setting_changed, dispatch_uid="durability.hash-keys")
 
 
 def check_settings(app_configs=None, **kwargs):

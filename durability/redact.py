@@ -348,23 +348,40 @@ def _keys(
     return tuple(keys)
 
 
+_KEY_SETTINGS = frozenset(
+    ("DURABILITY_HMAC_KEY", "DURABILITY_HMAC_KEY_FALLBACKS", "SECRET_KEY", "SECRET_KEY_FALLBACKS")
+)
+_current_keys: tuple[bytes, ...] | None = None
+
+
 def _hash_keys() -> tuple[bytes, ...]:
-    return _keys(
-        getattr(settings, "DURABILITY_HMAC_KEY", "") or "",
-        tuple(getattr(settings, "DURABILITY_HMAC_KEY_FALLBACKS", ()) or ()),
-        getattr(settings, "SECRET_KEY", "") or "",
-        tuple(getattr(settings, "SECRET_KEY_FALLBACKS", ()) or ()),
-    )
+    # Kept between calls (reading four settings, absent ones raising inside getattr, cost
+    # twice the hash itself); a changed setting drops it (``on_setting_changed``).
+    global _current_keys
+    if _current_keys is None:
+        _current_keys = _keys(
+            getattr(settings, "DURABILITY_HMAC_KEY", "") or "",
+            tuple(getattr(settings, "DURABILITY_HMAC_KEY_FALLBACKS", ()) or ()),
+            getattr(settings, "SECRET_KEY", "") or "",
+            tuple(getattr(settings, "SECRET_KEY_FALLBACKS", ()) or ()),
+        )
+    return _current_keys
+
+
+def on_setting_changed(setting: str = "", **kwargs: Any) -> None:
+    global _current_keys
+    if setting in _KEY_SETTINGS:
+        _current_keys = None
 
 
 def keyed_hash(data: bytes) -> str:
     """HMAC-SHA256 of ``data`` under the current key, as 64 hex characters."""
-    return hmac.digest(_hash_keys()[0], data, "sha256").hex()
+    return hmac.new(_hash_keys()[0], data, hashlib.sha256).hexdigest()
 
 
 def accepted_hashes(data: bytes) -> set[str]:
     """Every stored hash of ``data`` a replay accepts: under each key (current and
     fallbacks), and the plain SHA-256 of rows written before argument hashes were keyed."""
     found = {hashlib.sha256(data).hexdigest()}
-    found.update(hmac.digest(key, data, "sha256").hex() for key in _hash_keys())
+    found.update(hmac.new(key, data, hashlib.sha256).hexdigest() for key in _hash_keys())
     return found
