@@ -30,6 +30,11 @@ hashes it and refuses a state that still holds a secret (in a key), the values a
 back (call and effect results, approval payloads) are redacted before they are recorded or
 hashed so that a replay sees what the first run saw, and the snapshot thread has no scope.
 
+Inside a scope, ``redact`` also replaces the scope's secrets, so that a document built in
+memory by code a step calls (a message it sends, a child's input) is the document the gate
+lets through: a repeated send compares equal to the stored one. A text clipped to a column's
+size in the middle of a secret loses the part it kept (at least ``MIN_SECRET_CHARS`` of it).
+
 A secret shorter than ``MIN_SECRET_CHARS`` is refused by ``ctx.secret``: scrubbing every
 statement for a short string would also rewrite identifiers and lookups that happen to
 contain it.
@@ -41,7 +46,10 @@ hash is accepted (``accepted_hashes``) under the current key, under the fallback
 (``DURABILITY_HMAC_KEY_FALLBACKS``, ``SECRET_KEY_FALLBACKS``, and the ``SECRET_KEY``-derived
 key once an explicit key is set), and as the plain SHA-256 that rows written before keyed
 hashes hold: a run in flight across the upgrade or a key rotation replays without a false
-non-determinism error. The stored form stays 64 hex characters, so no row changes.
+non-determinism error. The stored form stays 64 hex characters with no mark of its scheme,
+so nothing is migrated: either form matches only the arguments it was made of, so which one
+a row holds never needs telling apart. (An approval's payload hash stays a plain SHA-256: it
+is taken over the redacted payload, which is stored next to it anyway.)
 """
 
 from __future__ import annotations
