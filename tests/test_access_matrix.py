@@ -28,7 +28,7 @@ from dashboard.submissions import new_token
 from dashboard.urls import urlpatterns
 from durability import operations
 from durability.models import Approval, Checkpoint, Effect, Message, Run
-from tests.dashboard_helpers import PASSWORD, counts, dash_agents, waiting_run
+from tests.dashboard_helpers import PASSWORD, counts, dash_agents, text_of, waiting_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 __all__ = ["dash_agents"]
@@ -301,6 +301,10 @@ def test_role_against_every_route(role):
             assert response.status_code == 405, where
         else:
             assert response.status_code == 200, (where, response.status_code)
+        if name == "approval" and role in READERS:
+            # The button is offered only to those who may decide; the others see why not.
+            offered = 'type="submit" class="primary">Approve with these values' in text_of(response)
+            assert offered == may_decide(role, GROUP), where
     # Acting: a valid form, posted directly, on each route and for both kinds of approval.
     for name, route in ROUTES.items():
         for group in [GROUP, ""] if route.post == "decide" else [GROUP]:

@@ -25,7 +25,15 @@ from django.test import Client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dashboard.forms import DecisionForm, ForkForm, ReasonForm, ResolveForm, RollbackForm, SendForm
+from dashboard.forms import (
+    DecisionForm,
+    ForkForm,
+    PayloadForm,
+    ReasonForm,
+    ResolveForm,
+    RollbackForm,
+    SendForm,
+)
 from dashboard.urls import urlpatterns
 from durability.models import Run
 from tests.dashboard_helpers import PASSWORD, dash_agents
@@ -74,7 +82,8 @@ FORMS: dict[str, list[str]] = {
     "send": form_fields(SendForm(prefix="send"), "send-version"),
     "resolve": form_fields(ResolveForm(), "version"),
     "decide": form_fields(DecisionForm(), "next"),
-    # PayloadForm's fields are the approval's payload keys by position (f0..f3) and a comment.
+    # PayloadForm's fields are the approval's payload keys by position (f0..f3) and a comment
+    # (checked against the form made for the approval under test, below).
     "approval": ["f0", "f1", "f2", "f3", "comment"],
 }
 
@@ -168,7 +177,7 @@ def check(response: Any, where: str) -> None:
 
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     database=None,
@@ -181,6 +190,24 @@ def fixed_values() -> list[str]:
     for date in NASTY_DATES[:4]:
         found += [b64(f"{date}|{uuid.uuid4()}"), f"1.1.1.1.{date}", f"{date}|1|1"]
     return found + [f"{n}.{n}.{n}.{n}." for n in BIG[:3]] + [f"2026-01-01T00:00:00|{BIG[0]}|1"]
+
+
+def test_every_form_field_with_each_fixed_value(world):
+    client, shared, cancelled = world
+    payload = json.loads(shared.approval.payload)
+    assert FORMS["approval"] == form_fields(PayloadForm(payload))
+    for name, fields in FORMS.items():
+        route = ROUTES[name]
+        for field in fields:
+            for value in [*BIG[:4], NASTY_DATES[0], "x" * 5000, "\x01", "[" * 5000, None]:
+                s = cancelled if route.cancelled else shared
+                s.run.refresh_from_db()
+                form = {k: str(v) for k, v in route.form(s).items()}
+                if value is None:
+                    form.pop(field, None)
+                else:
+                    form[field] = value
+                check(client.post(route.url(s), form), f"POST {name} {field}={value!r:.40}")
 
 
 def test_every_query_parameter_with_each_fixed_value(world):

@@ -16,7 +16,7 @@ from django_htmx.http import trigger_client_event
 
 from dashboard import runinfo, states
 from dashboard.forms import DecisionForm, PayloadForm
-from dashboard.permissions import decider_required, mark_deciders
+from dashboard.permissions import decider_required, mark_deciders, why_not_decide
 from dashboard.views.common import explain, page, status_for
 from durability import operations
 from durability.errors import DurabilityError
@@ -106,7 +106,12 @@ def approve_with_edits(request: HttpRequest, pk: int) -> HttpResponse:
     payload = json.loads(approval.payload) if approval.payload else None
     form = PayloadForm(payload, request.POST or None)
     mark_deciders(request.user, [approval])
-    context = {"nav": "approvals", "approval": approval, "form": form}
+    context = {
+        "nav": "approvals",
+        "approval": approval,
+        "form": form,
+        "why_not": "" if approval.may_decide else why_not_decide(request.user, approval),
+    }
     if request.method == "GET" or approval.status != ApprovalStatus.PENDING:
         return page(request, "dashboard/approval_edit.html", context)
     if not form.is_valid():
