@@ -38,6 +38,9 @@ class WaitReason(models.TextChoices):
     VERSION = "version", "a worker with a compatible agent version"
     CONCURRENCY = "concurrency", "a free slot (the agent's concurrency limit)"
     RATE_LIMIT = "rate_limit", "a shared rate limit"
+    # Left by a rollback (unless the operator chose "roll back and continue"): nothing runs
+    # until an operator continues the run.
+    HOLD = "hold", "an operator to continue it (on hold)"
 
 
 # Waits that end by themselves at ``wake_at``.
@@ -94,6 +97,12 @@ class Run(models.Model):
     rung_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
     error_code = models.CharField(max_length=32, blank=True, default="")
+    # How the run ended in the agent's words ("declined", "rejected at publish"); empty
+    # means its status says it all. An outcome is not a status: a run that declined succeeded.
+    outcome = models.CharField(max_length=120, blank=True, default="")
+    # Times a claim took the run over from a dead or lost attempt (the list marks and filters
+    # recovered runs without reading their events).
+    recoveries = models.IntegerField(default=0)
     # Set when a lease is found dead: the heartbeat and checkpoint time of the lost attempt,
     # from which the next claim computes recovery time and work lost.
     lost_heartbeat_at = models.DateTimeField(null=True, blank=True)
@@ -412,6 +421,9 @@ class Approval(models.Model):
     comment = models.TextField(blank=True, default="")
     # Approve with edits: the payload as the operator corrected it (canonical JSON).
     edited_payload = models.TextField(blank=True, default="")
+    # The fields an operator may edit, as a JSON Schema the agent gave (canonical JSON; empty:
+    # approve with edits is not offered). Checked again when the decision is recorded.
+    editable = models.TextField(blank=True, default="")
     requested_at = models.DateTimeField(auto_now_add=True)
     # Policy: who may decide (a Django group; empty: any operator), and what happens when
     # nobody has by ``deadline`` (reject, approve, or escalate to another group once).
