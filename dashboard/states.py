@@ -26,7 +26,7 @@ def run_or_404(ref: Any) -> Run:
 def checkpoint_or_404(run: Run, seq: Any) -> Checkpoint:
     text = str(seq).strip()
     try:
-        if len(text) > 20:
+        if not text.lstrip("-").isdigit() or len(text) > 1000:
             raise ValueError(text)
         number = int(text)
     except (TypeError, ValueError):

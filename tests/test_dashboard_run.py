@@ -70,6 +70,15 @@ def test_unknown_run_and_checkpoint_are_404_with_a_clear_message(as_operator):
     assert nonsense.status_code == 404
     beyond = as_operator.get(cp_url(run, 99))
     assert beyond.status_code == 404
+    # Each says what was not found.
+    assert "no run 00000000-0000-0000-0000-000000000000" in text_of(missing)
+    assert "no checkpoint #99 (its checkpoints are #0 to #2)" in text_of(beyond)
+    huge = as_operator.get(cp_url(run, 10**30))
+    assert huge.status_code == 404 and "no checkpoint #" in text_of(huge)
+    nowhere = as_operator.get(f"/runs/{run.id}/checkpoints/abc/")
+    assert nowhere.status_code == 404 and "There is no page at" in text_of(nowhere)
+    approval = as_operator.get(reverse("dashboard:approval", args=[10**25]))
+    assert approval.status_code == 404 and "there is no approval" in text_of(approval)
 
 
 def test_inspector_tabs(as_operator):
