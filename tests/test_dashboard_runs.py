@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
-
 import base64
-
+import uuid
 from datetime import timedelta
 
 import pytest
