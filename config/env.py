@@ -3,10 +3,12 @@ the embedded default's private files (its var dir, database and generated secret
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -78,16 +80,24 @@ def private_dir(path: Path, *, tighten: bool = True) -> Path:
     return path
 
 
-def private_file(path: Path) -> Path:
-    """``path`` as a file only its owner can read (0600), created empty if missing, before
-    anything else (SQLite) creates it with the umask's mode."""
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
-    try:
-        if os.fstat(fd).st_mode & 0o777 != 0o600 and os.fstat(fd).st_uid == os.getuid():
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-    return path
+def private_sqlite_files(sender: Any = None, connection: Any = None, **kwargs: Any) -> None:
+    """On each new SQLite connection (``connection_created``): its database file and the
+    -wal and -shm files SQLite made beside it, readable by this user only (0600). They hold
+    password hashes and sessions. SQLite creates them with the umask's mode, before any row
+    is written; the var dir around them is 0700 already. Done when a connection opens, not
+    when settings load, so that a build step (collectstatic in an image) creates nothing."""
+    if connection is None or connection.vendor != "sqlite":
+        return
+    name = str(connection.settings_dict.get("NAME") or "")
+    if not name or name == ":memory:" or name.startswith("file:"):
+        return
+    for path in (name, f"{name}-wal", f"{name}-shm", f"{name}-journal"):
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if found.st_uid == os.getuid() and found.st_mode & 0o077:
+            os.chmod(path, 0o600)
 
 
 def generated_secret(path: Path) -> str:
@@ -100,6 +110,15 @@ def generated_secret(path: Path) -> str:
             key = path.read_text().strip()
         except FileNotFoundError:
             key = ""
+        except PermissionError:
+            # Another user's key in our own folder: left by a build step run as root (an
+            # image's collectstatic). It cannot sign our sessions: ours replaces it.
+            if path.parent.stat().st_uid != os.getuid():
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_uid != os.getuid():  # not one a sibling just published
+                    path.unlink()
+            continue
         if key:
             if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
                 path.chmod(0o600)

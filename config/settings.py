@@ -20,7 +20,6 @@ from config.env import (
     env_str,
     generated_secret,
     private_dir,
-    private_file,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -110,13 +109,12 @@ def _database() -> dict:
         # Web, worker and beat share one file: WAL lets readers run beside the writer,
         # IMMEDIATE takes the write lock up front (no deadlock on upgrade), and the busy
         # timeout makes a writer wait instead of failing with "database is locked".
-        # The database holds password hashes and sessions: readable by this user only
-        # (SQLite gives its -wal and -shm files the database file's mode).
+        # The folder of the database (the var dir) is this user's only; the files themselves
+        # are made 0600 as each connection opens (config.env.private_sqlite_files).
         name = str(db["NAME"])
         if name and name != ":memory:" and not name.startswith("file:"):
-            path = Path(name)
-            private_dir(path.parent, tighten=path.parent.resolve() == VAR_DIR.resolve())
-            private_file(path)
+            folder = Path(name).parent
+            private_dir(folder, tighten=folder.resolve() == VAR_DIR.resolve())
         db["CONN_MAX_AGE"] = 0
         db["OPTIONS"] = {
             "transaction_mode": "IMMEDIATE",

@@ -7,6 +7,13 @@ class DashboardConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.db.backends.signals import connection_created
+
+        from config.env import private_sqlite_files
+
         # Registers the notification task with Celery in every process that loads Django,
         # workers included (Celery's autodiscovery only imports workers.tasks).
         from workers import notifications  # noqa: F401
+
+        # The embedded default's database holds password hashes and sessions: 0600.
+        connection_created.connect(private_sqlite_files, dispatch_uid="config.private_sqlite")
