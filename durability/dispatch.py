@@ -4,8 +4,9 @@ ring loses nothing: the sweeper rings again for runs left unclaimed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from django.db import transaction
 
@@ -13,6 +14,8 @@ log = logging.getLogger(__name__)
 
 Dispatcher = Callable[[str, float | None], None]
 _dispatcher: Dispatcher | None = None
+Unrung = Callable[[str, Exception], None]
+_unrung: Unrung | None = None
 
 
 def set_dispatcher(fn: Dispatcher | None) -> None:
@@ -50,10 +53,36 @@ def ring(run_id: object, delay: float | None = None) -> None:
     transaction.on_commit(lambda: _send(str(run_id), delay))
 
 
+@contextlib.contextmanager
+def reporting_unrung(report: Unrung) -> Iterator[None]:
+    """Within the block, a ring the broker did not take is handed to ``report`` (the CLI
+    says so in one line) instead of the log's warning."""
+    global _unrung
+    previous, _unrung = _unrung, report
+    try:
+        yield
+    finally:
+        _unrung = previous
+
+
+def why(exc: BaseException) -> str:
+    """An error in one short line: a broker's errors can span lines (and tracebacks)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
 def _send(run_id: str, delay: float | None) -> None:
     try:
         _dispatcher(run_id, delay)  # type: ignore[misc]
-    except Exception:  # the broker is a doorbell: its failures are the sweeper's to repair
+    except Exception as exc:  # the broker is a doorbell: its failures are the sweeper's to repair
+        if _unrung is not None:
+            _unrung(run_id, exc)
+            return
+        # One line: a broker that is down fails every ring the same way, and a traceback per
+        # ring would bury everything else in the log (it stays available at DEBUG).
         log.warning(
-            "could not ring the doorbell for run %s; the sweeper will", run_id, exc_info=True
+            "could not ring the doorbell for run %s (%s); the sweeper rings it at its next sweep",
+            run_id,
+            why(exc),
         )
+        log.debug("the broker's error for run %s", run_id, exc_info=True)

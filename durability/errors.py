@@ -153,6 +153,15 @@ class SecretMissing(DurabilityError):
     code = "DUR601"
 
 
+# --- the database ---------------------------------------------------------------------------
+
+
+class DatabaseUnavailable(DurabilityError):
+    """The database could not be reached, or stopped answering, while a command ran."""
+
+    code = "DUR700"
+
+
 # --- what agent code raises ----------------------------------------------------------------
 
 

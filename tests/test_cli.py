@@ -4,8 +4,10 @@ codes, against the test database and real workers."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,16 +25,32 @@ def workers(cluster):
     return cluster
 
 
-def cli(workers, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def cli(
+    workers, *args: str, stdin: str | None = None, env: dict | None = None, by: bool = True
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "manage.py", "durability", "--by", "tester", *args],
+        [sys.executable, "manage.py", "durability", *(["--by", "tester"] if by else []), *args],
         cwd=ROOT,
-        env=workers.env,
+        env={**workers.env, **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
         input=stdin,
     )
+
+
+def one_coded_line(done: subprocess.CompletedProcess, code: str) -> str:
+    """An error as the CLI must print it: its code, one or two lines, never a traceback."""
+    err = done.stderr.strip()
+    assert f"[{code}]" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) <= 2, err
+    return err
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_start_wait_show_verify(workers, llm):
@@ -150,3 +168,189 @@ def test_send_messages_to_a_conversation(workers, llm):
     assert llm.total == 2
     bad = cli(workers, "send", run_id, "user", "--data", '"late"')
     assert bad.returncode == 2 and "takes no more messages" in bad.stderr
+
+
+# --- errors are coded lines, never tracebacks ---------------------------------------------------
+
+
+def test_json_nested_too_deeply_is_a_coded_error_from_an_argument_a_file_or_stdin(
+    workers, tmp_path
+):
+    for depth in (5_000, 10_000, 100_000):
+        deep = '{"n": ' + "[" * depth + "]" * depth + "}"
+        path = tmp_path / f"deep{depth}.json"
+        path.write_text(deep)
+        ways = [(["--input", f"@{path}"], None), (["--input", "-"], deep)]
+        if len(deep) < 100_000:  # a longer argument is over the kernel's limit for one
+            ways.append((["--input", deep], None))
+        for args, stdin in ways:
+            done = cli(workers, "start", "test-loop", *args, stdin=stdin)
+            assert done.returncode == 2, (depth, args[1][:20], done.stderr[-300:])
+            one_coded_line(done, "DUR103")
+        if len(deep) < 100_000:
+            done = cli(workers, "send", "ffffffff", "x", "--data", deep)
+            assert done.returncode == 2
+            one_coded_line(done, "DUR103")
+    assert Run.objects.count() == 0
+
+
+def test_with_the_database_unreachable_every_command_prints_a_coded_line(workers):
+    down = {"DATABASE_URL": f"postgres://postgres@127.0.0.1:{closed_port()}/durability"}
+    run = "0123abcd-0000-0000-0000-000000000000"
+    commands = [
+        ["list"],
+        ["show", run],
+        ["show", run, "--json"],
+        ["start", "test-loop", "--input", '{"n": 1}'],
+        ["resume", run],
+        ["rollback", run, "--to", "0"],
+        ["fork", run, "--from", "0"],
+        ["cancel", run],
+        ["approve", run, "go"],
+        ["send", run, "user", "--data", '"hi"'],
+        ["resolve", run, "1", "done"],
+        ["verify"],
+        ["verify", run],
+        ["hold", run],
+        ["sweep"],
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda args: cli(workers, *args, env=down), commands))
+    for args, done in zip(commands, results, strict=True):
+        assert done.returncode == 6, (args, done.stderr[-500:])
+        err = one_coded_line(done, "DUR700")
+        assert "the database cannot be reached" in err and "DATABASE_URL" in err, args
+
+
+def test_with_the_broker_unreachable_start_resume_resolve_succeed_and_say_so_in_one_line(
+    workers, llm, effects, faults, monkeypatch
+):
+    from durability import dispatch, operations
+    from durability.models import Effect, EffectStatus
+    from durability.testing import drive
+    from workers.dispatcher import publish
+
+    down = {"CELERY_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0"}
+    note = "the run is queued in the database and the doorbell will ring at the next sweep"
+
+    def succeeds_with_a_note(done: subprocess.CompletedProcess) -> None:
+        assert done.returncode == 0, done.stderr[-2000:]
+        err = done.stderr.strip()
+        assert note in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+    started = cli(workers, "start", "test-loop", "--input", '{"n": 2}', env=down)
+    succeeds_with_a_note(started)
+    run_id = started.stdout.split()[-1]
+    # Nobody was told but the database: the sweeper rings for the run, a worker runs it.
+    wait_until(lambda: Run.objects.get(pk=run_id).status == RunStatus.SUCCEEDED, timeout=60)
+
+    slow = cli(workers, "start", "test-loop", "--input", '{"n": 40, "slow_ms": 100}')
+    slow_id = slow.stdout.split()[-1]
+    assert cli(workers, "cancel", slow_id).returncode == 0
+    succeeds_with_a_note(cli(workers, "resume", slow_id, env=down))
+    wait_until(lambda: Run.objects.get(pk=slow_id).head_seq > 0, timeout=60)
+    cli(workers, "cancel", slow_id)
+
+    # An effect in doubt, made in this process (the fault is only here), rung by nobody.
+    monkeypatch.setenv("TEST_LLM_URL", workers.env["TEST_LLM_URL"])
+    monkeypatch.setenv("TEST_EFFECT_URL", workers.env["TEST_EFFECT_URL"])
+    dispatch.set_dispatcher(None)
+    try:
+        doubt = operations.start("test-loop", {"n": 1, "effects": True}, by="seed")
+        faults.set({"point": "after_effect", "action": "crash"})
+        doubt = drive(doubt.id)
+    finally:
+        faults.clear()
+        dispatch.set_dispatcher(publish)
+    assert (doubt.status, doubt.wait_reason) == (RunStatus.WAITING, "in_doubt")
+    effect = Effect.objects.get(run=doubt)
+    resolved = cli(workers, "resolve", str(doubt.id), str(effect.pk), "retry", env=down)
+    succeeds_with_a_note(resolved)
+    assert Effect.objects.get(pk=effect.pk).status == EffectStatus.RETRY
+    wait_until(lambda: Run.objects.get(pk=doubt.id).status == RunStatus.SUCCEEDED, timeout=60)
+
+
+# --- options --------------------------------------------------------------------------------------
+
+
+def test_reason_and_by_are_accepted_after_the_subcommand_too(workers, llm):
+    from durability.models import Event, EventKind
+
+    started = cli(
+        workers,
+        "start",
+        "test-loop",
+        "--input",
+        '{"n": 50, "slow_ms": 100}',
+        "--by",
+        "ann",
+        "--reason",
+        "after",
+        by=False,
+    )
+    assert started.returncode == 0, started.stderr
+    run = Run.objects.get()
+    assert (run.created_by, Event.objects.get(run=run, kind=EventKind.CREATED).reason) == (
+        "ann",
+        "after",
+    )
+    done = cli(workers, "--by", "bob", "--reason", "before", "cancel", str(run.id), by=False)
+    assert done.returncode == 0, done.stderr
+    resumed = cli(
+        workers,
+        "--by",
+        "bob",
+        "--reason",
+        "before",
+        "resume",
+        str(run.id),
+        "--reason",
+        "wins",
+        by=False,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    events = {e.kind: (e.actor, e.reason) for e in Event.objects.filter(run=run)}
+    assert events[EventKind.CANCELLED] == ("bob", "before")
+    assert events[EventKind.RESUMED] == ("bob", "wins")  # the later one, after the subcommand
+    cli(workers, "cancel", str(run.id))
+
+
+def test_start_reads_its_input_from_a_file_or_stdin(workers, llm, tmp_path):
+    path = tmp_path / "input.json"
+    path.write_text('{"n": 1, "tag": "from a file "}')
+    from_file = cli(workers, "start", "test-loop", "--input", f"@{path}", "--wait")
+    assert from_file.returncode == 0, from_file.stderr
+    from_stdin = cli(
+        workers, "start", "test-loop", "--input", "-", "--wait", stdin='{"n": 1, "tag": "piped "}'
+    )
+    assert from_stdin.returncode == 0, from_stdin.stderr
+    inputs = sorted(json.loads(r.input)["tag"] for r in Run.objects.all())
+    assert inputs == ["from a file ", "piped "]
+    missing = cli(workers, "start", "test-loop", "--input", "@/nonexistent.json")
+    assert missing.returncode == 2
+    assert "cannot read /nonexistent.json" in one_coded_line(missing, "DUR100")
+    bad = cli(workers, "start", "test-loop", "--input", "-", stdin="[1,")
+    assert bad.returncode == 2 and "--input - (stdin) is not valid JSON" in bad.stderr
+    assert Run.objects.count() == 2
+
+
+def test_expect_version_acts_only_on_the_version_it_names(workers, llm):
+    from durability.models import Event, EventKind
+
+    cli(workers, "start", "test-loop", "--input", '{"n": 2, "approve_at": 1}', "--wait")
+    run = Run.objects.get()
+    shown = json.loads(cli(workers, "show", str(run.id), "--json").stdout)["version"]
+    assert (
+        shown == run.lease_token and f"version {shown}" in cli(workers, "show", str(run.id)).stdout
+    )
+    stale = cli(workers, "cancel", str(run.id), "--expect-version", str(shown - 1))
+    assert stale.returncode == 2
+    assert "moved on since this was decided" in one_coded_line(stale, "DUR112")
+    assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING
+    assert cli(workers, "cancel", str(run.id), "--expect-version", str(shown)).returncode == 0
+    # The same command again, after a colleague resumed the run: the decision was carried out.
+    assert cli(workers, "resume", str(run.id)).returncode == 0
+    again = cli(workers, "cancel", str(run.id), "--expect-version", str(shown))
+    assert again.returncode == 2 and "[DUR112]" in again.stderr
+    assert Event.objects.filter(run=run, kind=EventKind.CANCELLED).count() == 1
+    cli(workers, "cancel", str(run.id))

@@ -3,11 +3,13 @@
 Exit codes: 0 success; 1 the run failed or was cancelled (``start --wait``), or an
 operation failed; 2 bad input (unknown run, agent or checkpoint, invalid JSON...); 3 a
 checkpoint does not verify; 4 ``--wait`` stopped because the run waits for a person;
-5 ``--wait`` timed out.
+5 ``--wait`` timed out; 6 the database cannot be reached. Every error is one line with its
+code, never a traceback.
 """
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import json
 import os
@@ -17,11 +19,18 @@ from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
-from durability import canonical, operations, telemetry
+from durability import canonical, dispatch, operations, telemetry
 from durability.agents import registry
-from durability.errors import DurabilityError, IntegrityViolation, InvalidInput
+from durability.errors import (
+    DatabaseUnavailable,
+    DurabilityError,
+    IntegrityViolation,
+    InvalidInput,
+    StateNotJSON,
+)
 from durability.models import (
     FINISHED,
     Approval,
@@ -34,13 +43,38 @@ from durability.models import (
 )
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTEGRITY, EXIT_WAITING, EXIT_TIMEOUT = 1, 2, 3, 4, 5
+EXIT_DATABASE = 6
 
 
 def _json_arg(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise CommandError(f"{what} is not valid JSON: {exc}", returncode=EXIT_BAD_INPUT) from None
+        raise StateNotJSON(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        # The parser recurses once per level: past Python's limit it would otherwise end
+        # the command with a traceback.
+        raise StateNotJSON(f"{what} is nested too deeply to be read as JSON") from None
+
+
+def _with_actor(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--by`` and ``--reason`` after the subcommand too. SUPPRESS: when not given here,
+    the value given before the subcommand (or the default) stays."""
+    p.add_argument("--by", default=argparse.SUPPRESS, help="who is acting")
+    p.add_argument("--reason", default=argparse.SUPPRESS, help="why (kept in the audit trail)")
+    return p
+
+
+def _with_version(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--expect-version",
+        type=int,
+        metavar="N",
+        help=(
+            "act only if the run is still at this version (see show); without it, the command"
+            " acts on what it reads in the same locked transaction"
+        ),
+    )
 
 
 def _age(when: datetime | None) -> str:
@@ -68,7 +102,11 @@ class Command(BaseCommand):
 
         p = sub.add_parser("start", help="start a run of an agent")
         p.add_argument("agent")
-        p.add_argument("--input", default="{}", help="the input, as JSON")
+        p.add_argument(
+            "--input",
+            default="{}",
+            help="the input, as JSON; @FILE reads it from a file, - from stdin",
+        )
         p.add_argument(
             "--idempotency-key",
             default="",
@@ -95,11 +133,13 @@ class Command(BaseCommand):
 
         p = sub.add_parser("resume", help="queue a failed, cancelled or waiting run again")
         p.add_argument("run")
+        _with_version(p)
 
         p = sub.add_parser("rollback", help="make checkpoint SEQ the head again (history is kept)")
         p.add_argument("run")
         p.add_argument("--to", type=int, required=True, metavar="SEQ")
         p.add_argument("--dry-run", action="store_true", help="only show what it would do")
+        _with_version(p)
 
         p = sub.add_parser("fork", help="start a new run from a checkpoint")
         p.add_argument("run")
@@ -114,6 +154,7 @@ class Command(BaseCommand):
 
         p = sub.add_parser("cancel", help="cancel a run")
         p.add_argument("run")
+        _with_version(p)
 
         p = sub.add_parser("approve", help="decide a pending approval (approve unless --reject)")
         p.add_argument("run")
@@ -121,18 +162,21 @@ class Command(BaseCommand):
         p.add_argument("--reject", action="store_true")
         p.add_argument("--comment", default="")
         p.add_argument("--payload", help="approve with edits: the corrected payload as JSON")
+        _with_version(p)
 
         p = sub.add_parser("send", help="send a message to a run (ctx.wait_for takes it)")
         p.add_argument("run")
         p.add_argument("name")
         p.add_argument("--data", default="null", help="the message, as JSON")
         p.add_argument("--key", default="", help="idempotency key: a retried send arrives once")
+        _with_version(p)
 
         p = sub.add_parser("resolve", help="say what happened to an effect in doubt")
         p.add_argument("run")
         p.add_argument("effect", type=int, help="the effect's id (see show)")
         p.add_argument("outcome", choices=["done", "failed", "retry"])
         p.add_argument("--result", default="null", help="the effect's result as JSON (done)")
+        _with_version(p)
 
         p = sub.add_parser("verify", help="check the hash chain of one run, or of all runs")
         p.add_argument("run", nargs="?")
@@ -146,16 +190,37 @@ class Command(BaseCommand):
 
         sub.add_parser("agents", help="list the registered agents")
         sub.add_parser("sweep", help="run the sweeper once")
+        for p in sub.choices.values():
+            _with_actor(p)
 
     def handle(self, *args: Any, **opts: Any) -> None:
         self.by = opts["by"] or os.environ.get("DURABILITY_ACTOR") or f"cli:{getpass.getuser()}"
         self.reason = opts["reason"]
         action = opts["action"]
-        # The run a command starts keeps this span as the parent of all its executions.
-        with telemetry.tracer().start_as_current_span(
-            f"durability {action}", attributes={"durability.cli.actor": self.by}
-        ):
-            self._dispatch(action, opts)
+        try:
+            # The run a command starts keeps this span as the parent of all its executions.
+            with (
+                dispatch.reporting_unrung(self._unrung),
+                telemetry.tracer().start_as_current_span(
+                    f"durability {action}", attributes={"durability.cli.actor": self.by}
+                ),
+            ):
+                self._dispatch(action, opts)
+        except (OperationalError, InterfaceError) as exc:
+            error = DatabaseUnavailable(
+                f"the database cannot be reached ({dispatch.why(exc)}); check DATABASE_URL"
+                " and that the server runs, then try again"
+            )
+            raise CommandError(str(error), returncode=EXIT_DATABASE) from None
+
+    def _unrung(self, run_id: str, exc: Exception) -> None:
+        """The broker is only the doorbell: the operation is committed, the run waits in the
+        database, and the sweeper rings for it; one line says so, not a traceback."""
+        self.stderr.write(
+            f"note: the broker did not take the doorbell for run {run_id}"
+            f" ({dispatch.why(exc)}); the run is queued in the database and the doorbell"
+            " will ring at the next sweep"
+        )
 
     def _dispatch(self, action: str, opts: dict) -> None:
         try:
@@ -166,6 +231,10 @@ class Command(BaseCommand):
             raise CommandError(str(exc), returncode=EXIT_BAD_INPUT) from None
         except DurabilityError as exc:
             raise CommandError(str(exc), returncode=EXIT_FAILED) from None
+        except RecursionError:
+            # A value nested deeper than the engine's recursive walks (redaction, checks).
+            error = StateNotJSON("a JSON value given is nested too deeply")
+            raise CommandError(str(error), returncode=EXIT_BAD_INPUT) from None
 
     def say(self, text: str = "") -> None:
         self.stdout.write(text)
@@ -173,7 +242,14 @@ class Command(BaseCommand):
     # --- subcommands ---------------------------------------------------------------------
 
     def do_start(self, opts: dict) -> None:
-        payload = _json_arg(opts["input"], "--input")
+        source = opts["input"]
+        if source == "-":
+            text, what = self._stdin(), "--input - (stdin)"
+        elif source.startswith("@"):
+            text, what = self._read(source[1:]), f"--input {source}"
+        else:
+            text, what = source, "--input"
+        payload = _json_arg(text, what)
         run = operations.start(
             opts["agent"],
             payload,
@@ -207,7 +283,10 @@ class Command(BaseCommand):
                 f"run {run.id} still {run.status} after {timeout:g} s", returncode=EXIT_TIMEOUT
             )
         if run.status != RunStatus.SUCCEEDED:
-            raise CommandError(f"run {run.id} {run.status}: {run.error}", returncode=EXIT_FAILED)
+            code = f"[{run.error_code}] " if run.error_code else ""
+            raise CommandError(
+                f"run {run.id} {run.status}: {code}{run.error}", returncode=EXIT_FAILED
+            )
         self.say(f"run {run.id} succeeded with {run.head_seq + 1} checkpoints")
 
     def do_list(self, opts: dict) -> None:
@@ -248,6 +327,7 @@ class Command(BaseCommand):
                 "agent": run.agent,
                 "agent_version": run.agent_version,
                 "status": run.status,
+                "version": run.lease_token,
                 "durability": run.durability,
                 "wait": {"reason": run.wait_reason, "detail": run.wait_detail},
                 "step": run.step,
@@ -303,7 +383,7 @@ class Command(BaseCommand):
         )
         self.say(
             f"  created {run.created_at:%Y-%m-%d %H:%M:%S} by {run.created_by or '-'};"
-            f" next step {run.step or '-'}; head #{run.head_seq}"
+            f" next step {run.step or '-'}; head #{run.head_seq}; version {run.lease_token}"
         )
         if run.lease_owner:
             self.say(f"  leased by {run.lease_owner} until {run.lease_expires_at:%H:%M:%S}")
@@ -350,14 +430,22 @@ class Command(BaseCommand):
             self.say(f"  {e.created_at:%H:%M:%S} {e.kind}{seq} {e.step}{who}{why}")
 
     def do_resume(self, opts: dict) -> None:
-        run = operations.resume(opts["run"], by=self.by, reason=self.reason)
+        run = operations.resume(
+            opts["run"], by=self.by, reason=self.reason, expected_version=opts["expect_version"]
+        )
         self.say(f"run {run.id} queued again from checkpoint #{run.head_seq} (step {run.step})")
 
     def do_rollback(self, opts: dict) -> None:
         if opts["dry_run"]:
             plan = operations.plan_rollback(opts["run"], opts["to"])
         else:
-            plan = operations.rollback(opts["run"], opts["to"], by=self.by, reason=self.reason)
+            plan = operations.rollback(
+                opts["run"],
+                opts["to"],
+                by=self.by,
+                reason=self.reason,
+                expected_version=opts["expect_version"],
+            )
         verb = "would roll back" if opts["dry_run"] else "rolled back"
         self.say(
             f"{verb} run {plan.run.id} to checkpoint #{plan.target.seq};"
@@ -379,10 +467,10 @@ class Command(BaseCommand):
     def do_fork(self, opts: dict) -> None:
         state = None
         if opts["state"]:
-            text = sys.stdin.read() if opts["state"] == "-" else self._read(opts["state"])
+            text = self._stdin() if opts["state"] == "-" else self._read(opts["state"])
             state = _json_arg(text, f"--state {opts['state']}")
         if opts["live"] and not opts["what_if"]:
-            raise CommandError("--live goes with --what-if", returncode=EXIT_BAD_INPUT)
+            raise InvalidInput("--live goes with --what-if")
         run = operations.fork(
             opts["run"],
             opts["from_seq"],
@@ -395,17 +483,25 @@ class Command(BaseCommand):
         kind = "what-if " if run.what_if else ""
         self.say(f"forked {kind}run {run.id} from #{opts['from_seq']} of {run.forked_from_id}")
 
+    def _stdin(self) -> str:
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError:
+            raise StateNotJSON("stdin is not text (JSON is UTF-8)") from None
+
     def _read(self, path: str) -> str:
         try:
             with open(path) as f:
                 return f.read()
         except OSError as exc:
-            raise CommandError(
-                f"cannot read {path}: {exc.strerror}", returncode=EXIT_BAD_INPUT
-            ) from None
+            raise InvalidInput(f"cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise StateNotJSON(f"{path} is not text (JSON is UTF-8)") from None
 
     def do_cancel(self, opts: dict) -> None:
-        run = operations.cancel(opts["run"], by=self.by, reason=self.reason)
+        run = operations.cancel(
+            opts["run"], by=self.by, reason=self.reason, expected_version=opts["expect_version"]
+        )
         self.say(f"run {run.id} cancelled")
 
     def do_approve(self, opts: dict) -> None:
@@ -417,6 +513,7 @@ class Command(BaseCommand):
             by=self.by,
             comment=opts["comment"] or self.reason,
             payload=payload,
+            expected_version=opts["expect_version"],
         )
         self.say(f"approval {approval.name!r} of run {approval.run_id} {approval.status}")
 
@@ -429,6 +526,7 @@ class Command(BaseCommand):
             idempotency_key=opts["key"],
             by=self.by,
             reason=self.reason,
+            expected_version=opts["expect_version"],
         )
         self.say(f"message {message.name!r} #{message.pk} delivered to run {message.run_id}")
 
@@ -441,6 +539,7 @@ class Command(BaseCommand):
             result=result,
             by=self.by,
             note=self.reason,
+            expected_version=opts["expect_version"],
         )
         self.say(f"effect {effect.key!r} marked {effect.status}")
 
@@ -453,7 +552,8 @@ class Command(BaseCommand):
         total = sum(r.checked for r in reports)
         if bad:
             raise CommandError(
-                f"{len(bad)} of {len(reports)} run(s) have a checkpoint that does not verify",
+                f"[{IntegrityViolation.code}] {len(bad)} of {len(reports)} run(s) have a"
+                " checkpoint that does not verify",
                 returncode=EXIT_INTEGRITY,
             )
         self.say(f"{len(reports)} run(s), {total} checkpoint(s): all verify")
