@@ -12,6 +12,11 @@ What agent authors import::
         ...
         return "act"
 
+    # An operator may edit amount_eur only (RefundEdit, a pydantic model), and
+    # within_price(asked, edited) -> error sentence | None checks it when they decide.
+    decision = ctx.approval("refund", {"order": "A-1", "amount_eur": 349.0},
+                            editable=RefundEdit, validate=within_price)
+
 Operations on runs (``start``, ``resume``, ``rollback``, ``fork``, ``cancel``, ``decide``,
 ``resolve_effect``, ``verify``) are importable from here too once Django is set up.
 """
@@ -62,6 +67,7 @@ __all__ = [
     "Context",
     "Decision",
     "DurabilityError",
+    "EditRefused",
     "EffectFailed",
     "IntegrityViolation",
     "InvalidInput",
@@ -103,6 +109,10 @@ def __getattr__(name: str):
 
         globals()["BlobRef"] = BlobRef
         return BlobRef
+    if name == "EditRefused":
+        from durability.approvals import EditRefused
+
+        return EditRefused
     if name in ("Context", "Decision", "NOT_DONE"):
         from durability import context
 

@@ -23,7 +23,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durability import canonical, dispatch, journal, telemetry
+from durability import approvals, canonical, dispatch, journal, telemetry
 from durability.errors import (
     EffectFailed,
     LeaseLost,
@@ -705,6 +705,8 @@ class Context:
         name: str,
         payload: Any = None,
         *,
+        editable: Any = None,
+        validate: Callable[[Any, Any], str | None] | None = None,
         group: str = "",
         timeout: float | None = None,
         on_timeout: str = "reject",
@@ -716,7 +718,15 @@ class Context:
         a different payload asks anew. Policy: only members of ``group`` may decide (any
         operator when empty); after ``timeout`` seconds without a decision the sweeper
         rejects, approves, or (``"escalate"``) re-addresses it to ``escalate_to`` and
-        restarts the clock, rejecting if that group does not decide in time either."""
+        restarts the clock, rejecting if that group does not decide in time either.
+
+        Approve with edits: ``editable`` (a pydantic model or a JSON Schema of an object)
+        names the payload fields an operator may edit and their types; the others are
+        read-only. ``validate(asked, edited)`` returns an error sentence or None and runs
+        when the decision is recorded, in the process that records it: a module-level
+        function in one of the agent's modules (see ``durability.approvals``). An edit that
+        fails either is refused and nothing is recorded. ``Decision.payload`` is what was
+        decided."""
         self._settled()
         self._durable_point()
         if on_timeout not in ("reject", "approve", "escalate"):
@@ -725,6 +735,9 @@ class Context:
             raise ValueError("on_timeout='escalate' needs escalate_to (a group)")
         occ = self._next("approval", name)
         canonical.check_json(payload, what=f"payload of approval {name!r}")
+        spec = approvals.spec_for(
+            name, payload, editable, validate, approvals.agent_modules(self.agent)
+        )
         payload, _ = redact(payload, self.secrets)
         data = canonical.dumps(payload).decode()
         phash = canonical.sha256_hex(data.encode())
@@ -782,6 +795,7 @@ class Context:
                 on_timeout=on_timeout if timeout else "",
                 escalate_to=escalate_to,
                 deadline=timezone.now() + timedelta(seconds=timeout) if timeout else None,
+                editable=spec,
             )
             Event.objects.create(
                 run_id=run_id,

@@ -17,7 +17,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 
-from durability import blobs, canonical, checkpoints, dispatch, leases, telemetry
+from durability import approvals, blobs, canonical, checkpoints, dispatch, leases, telemetry
 from durability.agents import registry
 from durability.errors import (
     AlreadyDecided,
@@ -832,7 +832,9 @@ def decide(
     refused with who decided and when. An approval named by ``approval_id`` is decided once
     by its own status; one named by ``name`` may be asked again under that name after the
     run went on, so ``expected_version`` (the run version the decision was made on) keeps a
-    repeated decision from settling the new question too."""
+    repeated decision from settling the new question too. An edited ``payload`` must pass
+    the agent's editable schema and check (``EditRefused``, nothing recorded); both the
+    asked and the decided payload are kept, and the decision's event lists what changed."""
     with transaction.atomic():
         run = _locked(ref)
         asked = Approval.objects.filter(run=run)
@@ -867,15 +869,23 @@ def decide(
         _check_version(run, expected_version)
         check_may_decide(pending, by)
         edited = ""
+        changes: list[dict[str, Any]] = []
         if payload is not None:
             if not approve:
                 raise InvalidInput("a rejection cannot carry an edited payload", run_id=run.id)
             canonical.check_json(payload, what="edited payload")
-            payload = restore_placeholders(payload, canonical.loads(pending.payload))
+            asked_payload = canonical.loads(pending.payload)
+            payload = approvals.complete(pending.editable, asked_payload, payload)
+            payload = restore_placeholders(payload, asked_payload)
             payload, _ = redact(payload)
             edited = canonical.dumps(payload).decode()
             if edited == pending.payload:
                 edited = ""
+            else:
+                # The agent's schema and check, before anything is written: a refused edit
+                # leaves the approval pending and the run waiting.
+                approvals.check_edit(pending, run.agent, asked_payload, payload)
+                changes = approvals.changes(asked_payload, payload)
         updated = Approval.objects.filter(pk=pending.pk, status=ApprovalStatus.PENDING).update(
             status=ApprovalStatus.APPROVED if approve else ApprovalStatus.REJECTED,
             decided_by=by,
@@ -890,7 +900,12 @@ def decide(
             EventKind.APPROVAL_DECIDED,
             by=by,
             reason=comment,
-            data={"name": pending.name, "approved": approve, "edited": bool(edited)},
+            data={
+                "name": pending.name,
+                "approved": approve,
+                "edited": bool(edited),
+                **({"changes": changes} if changes else {}),
+            },
         )
         if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
             dispatch.wake(run.id)

@@ -338,6 +338,8 @@ def act(state, ctx):
             state["messages"].append({"role": "tool", "content": json.dumps(observation)})
             return "think"
         if amount > REFUND_APPROVAL_OVER_EUR:
+            # An operator may lower the amount, nothing else: the order and the customer
+            # are what was checked above, and the refund goes to them whatever the form says.
             decision = ctx.approval(
                 "refund",
                 {
@@ -346,6 +348,8 @@ def act(state, ctx):
                     "customer": state["customer"],
                     "item": order.get("item"),
                 },
+                editable=RefundEdit,
+                validate=refund_within_price,
             )
             if not decision:
                 observation = {
@@ -379,6 +383,21 @@ def act(state, ctx):
         observation = {"status": "unknown_tool", "tool": tool}
     state["messages"].append({"role": "tool", "content": json.dumps(observation)})
     return "think"
+
+
+class RefundEdit(BaseModel):
+    """What an operator may change when approving a refund."""
+
+    amount_eur: float = Field(description="EUR to refund, at most the order's price")
+
+
+def refund_within_price(asked: dict, edited: dict) -> str | None:
+    """The check an operator's edit must pass (it runs where they decide): the refund asked
+    for is the order's full price, so that is the ceiling."""
+    price = asked.get("amount_eur", 0)
+    if not _valid_amount(edited.get("amount_eur"), price):
+        return f"amount must be between 0 and {price:g} EUR"
+    return None
 
 
 def _valid_amount(value, ceiling: float) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from durability import operations
+from durability.approvals import EditRefused
 from durability.models import Run, RunStatus
 from durability.testing import drive
 from examples.agents import tool_choice
@@ -72,16 +73,15 @@ def test_a_refund_goes_only_to_the_customer_who_placed_the_order():
 
 
 @pytest.mark.parametrize("amount", ["abc", -5, 0, 1000.0, True])
-def test_an_approved_amount_out_of_range_declines_the_refund(amount):
+def test_an_approved_amount_out_of_range_is_refused_and_refunds_nothing(amount):
     run = operations.start(
         "support", {"customer": "grace@example.com", "message": "I want to return order A-1002"}
     )
     waiting = drive(run.id)
     assert waiting.wait_reason == "approval" and waiting.wait_detail == "refund"
-    operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": amount})
-    done = drive(run.id)
-    assert done.status == RunStatus.SUCCEEDED, done.error
+    # The agent's editable schema and check refuse it when it is decided (DUR113).
+    with pytest.raises(EditRefused):
+        operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": amount})
+    assert drive(run.id).wait_detail == "refund"
     assert not OutboxMessage.objects.filter(channel="refund").exists()
-    reply = OutboxMessage.objects.get(channel="email")
-    assert "could not approve" in reply.body
     assert Run.objects.get(pk=run.id).error == ""

@@ -1,0 +1,200 @@
+"""Approve with edits, checked and kept: the agent names the fields an operator may edit and
+their schema, and a check that runs when the decision is recorded; a refused edit records
+nothing and the run still waits; an accepted one is kept beside what was asked, listed in
+the decision's event, and is what the agent (and every replay of its step) receives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import BaseModel
+
+from durability import Agent, Transient, operations, registry
+from durability.approvals import EditRefused
+from durability.models import Approval, ApprovalStatus, Event, EventKind, Run, RunStatus
+from durability.testing import drive, state_of
+from examples.models import OutboxMessage
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PRICE = 349.0
+ATTEMPTS: list[float] = []
+
+
+class AmountEdit(BaseModel):
+    amount_eur: float
+
+
+def within_price(asked: dict, edited: dict) -> str | None:
+    if not 0 < edited["amount_eur"] <= asked["amount_eur"]:
+        return f"amount must be between 0 and {asked['amount_eur']:g} EUR"
+    return None
+
+
+def refund(state, ctx):
+    decision = ctx.approval(
+        "refund",
+        {"order_id": "A-1", "amount_eur": PRICE, "customer": "grace@example.com"},
+        editable=AmountEdit,
+        validate=within_price,
+    )
+    ATTEMPTS.append(decision.payload["amount_eur"])
+    if len(ATTEMPTS) == 1:
+        # One failure after the decision: the retry replays the approval from its record.
+        raise Transient("refund service hiccup")
+    state["refunded"] = decision.payload["amount_eur"]
+    state["payload"] = decision.payload
+
+
+@pytest.fixture(autouse=True)
+def edits_agent():
+    ATTEMPTS.clear()
+    registry.unregister("x-edits")
+    Agent("x-edits", steps=[refund], retry_base=0.01, retry_cap=0.05)
+    yield
+    registry.unregister("x-edits")
+
+
+def _waiting() -> Run:
+    run = operations.start("x-edits", {})
+    waiting = drive(run.id)
+    assert (waiting.status, waiting.wait_reason) == (RunStatus.WAITING, "approval")
+    return waiting
+
+
+def _nothing_recorded(run: Run) -> None:
+    approval = Approval.objects.get(run=run)
+    assert approval.status == ApprovalStatus.PENDING and approval.edited_payload == ""
+    assert not Event.objects.filter(run=run, kind=EventKind.APPROVAL_DECIDED).exists()
+    again = Run.objects.get(pk=run.pk)
+    assert (again.status, again.wait_reason) == (RunStatus.WAITING, "approval")
+
+
+@pytest.mark.smoke
+def test_the_editable_schema_is_stored_with_the_approval():
+    run = _waiting()
+    spec = json.loads(Approval.objects.get(run=run).editable)
+    assert spec["properties"]["amount_eur"]["type"] == "number"
+    assert spec["x-durability-check"] == "tests.test_approval_edits:within_price"
+
+
+@pytest.mark.smoke
+def test_an_edit_that_fails_the_schema_is_refused_and_nothing_is_recorded():
+    run = _waiting()
+    with pytest.raises(EditRefused) as refused:
+        operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": "abc"})
+    assert refused.value.code == "DUR113" and refused.value.field == "amount_eur"
+    assert "'abc' is not of type 'number'" in refused.value.message
+    _nothing_recorded(run)
+
+
+@pytest.mark.smoke
+def test_an_edit_the_agents_check_refuses_is_refused_with_its_sentence():
+    run = _waiting()
+    with pytest.raises(EditRefused) as refused:
+        operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": 500})
+    assert refused.value.message == "amount must be between 0 and 349 EUR"
+    assert "[DUR113]" in str(refused.value)
+    _nothing_recorded(run)
+    assert ATTEMPTS == []
+
+
+def test_a_read_only_field_cannot_be_changed():
+    run = _waiting()
+    with pytest.raises(EditRefused, match="customer is read-only; the agent lets you edit only"):
+        operations.decide(
+            run.id,
+            "refund",
+            approve=True,
+            by="ops",
+            payload={"amount_eur": 100, "customer": "mallory@example.com"},
+        )
+    _nothing_recorded(run)
+
+
+@pytest.mark.smoke
+def test_an_accepted_edit_is_kept_beside_what_was_asked_and_replays_as_decided():
+    run = _waiting()
+    # Only the editable field given: the others keep their asked values.
+    operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": 200})
+    approval = Approval.objects.get(run=run)
+    assert json.loads(approval.payload)["amount_eur"] == PRICE
+    assert json.loads(approval.edited_payload) == {
+        "order_id": "A-1",
+        "amount_eur": 200,
+        "customer": "grace@example.com",
+    }
+    event = Event.objects.get(run=run, kind=EventKind.APPROVAL_DECIDED)
+    assert json.loads(event.data)["changes"] == [
+        {"field": "amount_eur", "asked": "349.0", "decided": "200"}
+    ]
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    # The step ran twice after the decision (one transient failure): both times the
+    # replayed approval returned the edited payload, never the asked one.
+    assert ATTEMPTS == [200, 200]
+    assert state_of(run.id)["refunded"] == 200
+
+
+def test_an_unknown_check_refuses_the_edit_and_says_why():
+    run = _waiting()
+    Approval.objects.filter(run=run).update(
+        editable=json.dumps(
+            {
+                "type": "object",
+                "properties": {"amount_eur": {"type": "number"}},
+                "x-durability-check": "os:system",
+            }
+        )
+    )
+    with pytest.raises(EditRefused, match="cannot be found among the modules of agent x-edits"):
+        operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": 1})
+    _nothing_recorded(run)
+
+
+def test_a_check_that_is_not_a_module_level_function_is_refused_when_asked():
+    def step(state, ctx):
+        ctx.approval("go", {"n": 1}, validate=lambda asked, edited: None)
+
+    registry.unregister("x-lambda")
+    Agent("x-lambda", steps=[step])
+    try:
+        run = operations.start("x-lambda", {})
+        done = drive(run.id)
+    finally:
+        registry.unregister("x-lambda")
+    assert done.status == RunStatus.FAILED
+    assert "validate must be a function defined at the top level of a module" in done.error
+    assert not Approval.objects.filter(run=run).exists()
+
+
+# --- the demo support agent ----------------------------------------------------------------
+
+
+def _refund_waiting() -> Run:
+    run = operations.start(
+        "support", {"customer": "grace@example.com", "message": "I want to return order A-1002"}
+    )
+    waiting = drive(run.id)
+    assert waiting.wait_reason == "approval" and waiting.wait_detail == "refund"
+    return waiting
+
+
+@pytest.mark.parametrize("amount", ["abc", -5, 0, 500, True])
+def test_the_demo_refuses_an_amount_outside_the_orders_price(amount):
+    run = _refund_waiting()
+    with pytest.raises(EditRefused):
+        operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": amount})
+    _nothing_recorded(run)
+
+
+def test_the_demo_refunds_the_amount_the_operator_lowered_it_to():
+    run = _refund_waiting()
+    operations.decide(run.id, "refund", approve=True, by="ops", payload={"amount_eur": 200})
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    refunds = list(
+        OutboxMessage.objects.filter(channel="refund").values_list("amount_eur", flat=True)
+    )
+    assert refunds == [200]
