@@ -73,11 +73,30 @@ def answered(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
         from dashboard.views.common import page
 
         try:
-            return view(request, *args, **kwargs)
+            response = view(request, *args, **kwargs)
         except BadParameter as exc:
             title, message, status = "Bad request", str(exc), 400
         except Http404 as exc:
             title, message, status = "Not found", str(exc) or "nothing at this address", 404
+        else:
+            if response.status_code != 405 or response.content:
+                return response
+            # Django's method check answers with an empty body: say which methods it takes.
+            allowed = response["Allow"]
+            title, message, status = (
+                "Method not allowed",
+                f"this address takes {allowed.replace(', ', ' or ')}, not {request.method}",
+                405,
+            )
+            answer = page(
+                request,
+                "dashboard/error.html",
+                {"title": title, "message": message + "."},
+                fragment="message",
+                status=status,
+            )
+            answer["Allow"] = allowed
+            return answer
         context = {"title": title, "message": message.rstrip(".") + "."}
         return page(request, "dashboard/error.html", context, fragment="message", status=status)
 

@@ -25,7 +25,7 @@ from dashboard.views.common import explain, page, status_for
 from durability import operations
 from durability.agents import registry
 from durability.errors import DurabilityError, InvalidInput, InvalidTransition
-from durability.models import FINISHED, Effect, Event, Message, Run
+from durability.models import FINISHED, Effect, EffectStatus, Event, Message, Run
 from durability.redact import redact
 
 
@@ -388,6 +388,11 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
         return refused(request, run, NO_VERSION, 400)
     form = ResolveForm(request.POST)
     if not form.is_valid():
+        if effect.status != EffectStatus.IN_DOUBT:
+            # Its page shows no form to put the errors on: say why there is none.
+            by = f" It was resolved by {effect.resolved_by}." if effect.resolved_by else ""
+            message = f"effect {effect.key} is {effect.get_status_display()}: nothing to resolve."
+            return refused(request, run, message + by, 409)
         return page(request, "dashboard/resolve.html", {**context, "form": form}, status=422)
     data = form.cleaned_data
     try:
