@@ -26,6 +26,10 @@ SINCE = {
     "30d": timedelta(days=30),
 }
 PAGE_SIZE = 50
+# The outcome filter offers the outcomes of this many newest runs (an index walk on
+# created_at): listing every outcome ever named would read the whole table on each page.
+OUTCOMES_FROM = 1000
+RECOVERED = "yes"
 _HEX = re.compile(r"^[0-9a-f]{4,32}$")
 
 
@@ -35,9 +39,18 @@ class Filters:
     status: str = ""
     since: str = ""
     q: str = ""
+    outcome: str = ""
+    recovered: str = ""
 
     def as_query(self, **extra: str) -> dict[str, str]:
-        values = {"agent": self.agent, "status": self.status, "since": self.since, "q": self.q}
+        values = {
+            "agent": self.agent,
+            "status": self.status,
+            "since": self.since,
+            "q": self.q,
+            "outcome": self.outcome,
+            "recovered": self.recovered,
+        }
         values.update(extra)
         return {k: v for k, v in values.items() if v}
 
@@ -62,6 +75,10 @@ def filtered(f: Filters, *, with_status: bool = True) -> QuerySet[Run]:
         runs = runs.filter(status=f.status)
     if f.since in SINCE:
         runs = runs.filter(created_at__gte=timezone.now() - SINCE[f.since])
+    if f.outcome:
+        runs = runs.filter(outcome=f.outcome)
+    if f.recovered:
+        runs = runs.filter(recoveries__gt=0)
     if f.q:
         by_id = id_query(f.q)
         # An id prefix walks the primary key. Text in the input is the fallback when no run
@@ -224,10 +241,33 @@ def known_agent(data: Any, name: str = "agent") -> str:
     return agent
 
 
+def outcomes_in_use(also: str = "") -> list[str]:
+    """The outcomes named by the newest runs, for the filter's menu (and ``also``, the one
+    a link chose, which may be older)."""
+    newest = Run.objects.order_by("-created_at").values_list("outcome", flat=True)
+    found = {o for o in newest[:OUTCOMES_FROM] if o}
+    if also:
+        found.add(also)
+    return sorted(found)
+
+
+def known_outcome(data: Any, name: str = "outcome") -> str:
+    """An outcome filter: one some run ended with; anything else is refused, not silently
+    matched with nothing."""
+    outcome = params.text(data, name)
+    if outcome and not Run.objects.filter(outcome=outcome).exists():
+        raise params.BadParameter(
+            name, f"names no outcome: no run ended with “{params.shown(outcome)}”"
+        )
+    return outcome
+
+
 def parse_filters(data: Any) -> Filters:
     return Filters(
         agent=known_agent(data),
         status=params.choice(data, "status", RunStatus.values),
         since=params.choice(data, "since", SINCE),
         q=params.text(data, "q"),
+        outcome=known_outcome(data),
+        recovered=params.choice(data, "recovered", [RECOVERED]),
     )

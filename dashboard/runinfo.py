@@ -20,6 +20,8 @@ from durability.models import (
     CheckpointReason,
     Effect,
     EffectStatus,
+    Event,
+    EventKind,
     JournalEntry,
     Mutation,
     Run,
@@ -262,3 +264,132 @@ def inspector(run: Run, cp: Checkpoint, tab: str) -> Inspector:
 
 def effect_args(effect: Effect) -> Any:
     return payload_view(effect.args)
+
+
+# --- what a recovery cost, and what a failure left ----------------------------------------------
+
+# Events that end a step's execution and carry the calls it replayed (durability.executor).
+_REPLAY_CARRIERS = (
+    EventKind.CHECKPOINT,
+    EventKind.SUSPENDED,
+    EventKind.RETRY_SCHEDULED,
+    EventKind.FAILED,
+)
+RECOVERIES_SHOWN = 5
+
+
+def replayed_in(data: str) -> list[tuple[int, str]]:
+    """The calls an event says were answered from the journal: (journal id, key)."""
+    try:
+        value = json.loads(data) if data else {}
+    except ValueError:
+        return []
+    found = value.get("replayed") if isinstance(value, dict) else None
+    if not isinstance(found, list):
+        return []
+    return [(int(p[0]), str(p[1])) for p in found if isinstance(p, list) and len(p) == 2]
+
+
+@dataclass
+class Recovery:
+    """One take-over from a lost attempt, and what it cost."""
+
+    at: Any
+    worker: str
+    seq: int
+    recovery_ms: float | None
+    work_lost_ms: float | None
+    replayed: list[str] = field(default_factory=list)  # keys of the calls not paid again
+    effects_repeated: int = 0
+
+    @property
+    def summary(self) -> str:
+        from dashboard.timeline import human_ms
+
+        n = len(self.replayed)
+        calls = f"{n} call{'' if n == 1 else 's'} replayed from the journal (not paid again)"
+        m = self.effects_repeated
+        return (
+            f"recovered after {human_ms(self.recovery_ms)}; {calls};"
+            f" {m} effect{'' if m == 1 else 's'} repeated;"
+            f" work lost {human_ms(self.work_lost_ms)}"
+        )
+
+
+def recoveries(run: Run) -> list[Recovery]:
+    """The run's latest recoveries, newest first: each from its recovered event to the next
+    claim (the execution that took over), with the calls that execution replayed and the
+    effects it performed again."""
+    if not run.recoveries:  # counted by the claim that recovers, before its event is written
+        return []
+    events = Event.objects.filter(run=run)
+    found = list(events.filter(kind=EventKind.RECOVERED).order_by("-id")[:RECOVERIES_SHOWN])
+    shown = []
+    for r in found:
+        data = _json(r.data)
+        until = (
+            events.filter(kind=EventKind.CLAIMED, id__gt=r.id)
+            .order_by("id")
+            .values_list("id", "created_at")
+            .first()
+        )
+        window = events.filter(id__gt=r.id, kind__in=_REPLAY_CARRIERS).exclude(data="")
+        if until is not None:
+            window = window.filter(id__lt=until[0])
+        keys = {}
+        for text in window.values_list("data", flat=True)[:1000]:
+            keys.update(dict(replayed_in(text)))
+        repeated = Effect.objects.filter(run=run, attempts__gt=1, completed_at__gte=r.created_at)
+        if until is not None:
+            repeated = repeated.filter(completed_at__lt=until[1])
+        shown.append(
+            Recovery(
+                at=r.created_at,
+                worker=r.worker,
+                seq=r.seq or 0,
+                recovery_ms=data.get("recovery_ms"),
+                work_lost_ms=data.get("work_lost_ms"),
+                replayed=list(keys.values()),
+                effects_repeated=repeated.count(),
+            )
+        )
+    return shown
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class Failure:
+    """A failed run's error, its traceback (written through the redaction gate), and where
+    the next actions start from."""
+
+    code: str
+    error: str
+    step: str
+    seq: int
+    traceback: str = ""
+
+
+def failure(run: Run) -> Failure | None:
+    if run.status != RunStatus.FAILED:
+        return None
+    event = (
+        Event.objects.filter(run=run, kind=EventKind.FAILED)
+        .order_by("-id")
+        .values_list("data", "step")
+        .first()
+    )
+    data, step = (_json(event[0]), event[1]) if event else ({}, "")
+    return Failure(
+        code=run.error_code,
+        error=run.error,
+        step=step or run.step,
+        seq=run.head_seq,
+        traceback=str(data.get("traceback") or ""),
+    )

@@ -16,6 +16,7 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 
 from dashboard import params
+from durability import approvals
 from durability.models import (
     CallKind,
     Effect,
@@ -27,6 +28,14 @@ from durability.models import (
 )
 
 PAGE = 100
+
+# Events that end a step's execution and name the calls it replayed.
+_REPLAY_CARRIERS = {
+    EventKind.CHECKPOINT,
+    EventKind.SUSPENDED,
+    EventKind.RETRY_SCHEDULED,
+    EventKind.FAILED,
+}
 
 # Kinds shown small: bookkeeping an operator rarely needs, kept for the full story.
 QUIET = {EventKind.CLAIMED, EventKind.RELEASED, EventKind.COMMIT_LATENCY}
@@ -195,6 +204,10 @@ def _event_item(e: Event) -> Item:
         edited = " with edits" if d.get("edited") else ""
         timed_out = " (timed out)" if d.get("timeout") else ""
         item.title = f"{d.get('name', 'approval')} {verdict}{edited}{timed_out}"
+        changes = d.get("changes")
+        if isinstance(changes, list) and changes:
+            # What the operator changed, asked -> decided (values as the event keeps them).
+            item.detail = approvals.describe([c for c in changes if isinstance(c, dict)])
     elif kind == "approval_escalated":
         item.title = f"{d.get('name', 'approval')} escalated"
         item.detail = f"to {d.get('to', '?')}"
@@ -239,6 +252,8 @@ def _event_item(e: Event) -> Item:
             item.facts.append(("size", human_bytes(d["bytes"])))
     elif kind in ("alarm", EventKind.FAILED):
         item.detail = e.reason
+    elif kind == EventKind.SUCCEEDED and d.get("outcome"):
+        item.detail = str(d["outcome"])
     elif kind == EventKind.RESUMED:
         item.detail = f"from {d.get('from', '?')}"
     elif kind == EventKind.COMMIT_FAILED:
@@ -259,6 +274,36 @@ def _event_item(e: Event) -> Item:
     elif kind == EventKind.SUCCEEDED:
         item.tone = "done"
     return item
+
+
+def _event_items(e: Event) -> list[Item]:
+    """An event's item, after one item per call the step took from the journal instead of
+    paying again (the event that ended the step names them: see durability.executor)."""
+    event = _event_item(e)
+    replayed = _data(e.data).get("replayed") if e.kind in _REPLAY_CARRIERS else None
+    if not isinstance(replayed, list):
+        return [event]
+    items = []
+    for pair in replayed:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            continue
+        # Same place in time as the event (same key): a page boundary never splits them
+        # from it in a way that skips one, and they sort before it (stable sort).
+        items.append(
+            Item(
+                e.created_at,
+                event.order,
+                e.id,
+                "replay",
+                "replayed",
+                f"call {pair[1]}",
+                detail="replayed, not paid: the journal's recorded answer was used",
+                seq=e.seq,
+                step=e.step,
+                tone="done",
+            )
+        )
+    return [*items, event]
 
 
 def _call_item(j: JournalEntry) -> Item:
@@ -414,7 +459,7 @@ def latest(run: Run, limit: int = PAGE, before: tuple[datetime, int, int] | None
     jl = list(calls.order_by("-created_at", "-id")[: limit + 1])
     ef = list(effects.order_by("-created_at", "-id")[: limit + 1])
     done = list(done_rows.order_by("-completed_at", "-id")[: limit + 1])
-    items = [_event_item(e) for e in ev] + [_call_item(j) for j in jl]
+    items = [i for e in ev for i in _event_items(e)] + [_call_item(j) for j in jl]
     items += [_effect_item(f) for f in ef] + [_effect_done_item(f) for f in done]
     items.sort(key=lambda i: i.key)
     more = len(items) > limit
@@ -463,7 +508,7 @@ def newer(run: Run, cursor: Cursor) -> Page:
     if since is not None:
         done = done.filter(Q(completed_at__gt=since) | Q(completed_at=since, id__gt=cursor.done_id))
     finished = list(done.defer("result", "args").order_by("completed_at", "id")[:PAGE])
-    items = [_event_item(e) for e in ev] + [_call_item(j) for j in jl]
+    items = [i for e in ev for i in _event_items(e)] + [_call_item(j) for j in jl]
     items += [_effect_item(f) for f in ef] + [_effect_done_item(f) for f in finished]
     items.sort(key=lambda i: i.key)
     return Page(items, _advance(cursor, ev, jl, ef, finished))

@@ -3,7 +3,8 @@
 Each step is a plain function ``(state, ctx) -> next step name | None``. Given as a list,
 the steps form a pipeline: returning ``None`` moves to the next one and the last one ends the
 run. Given with the ``@agent.step`` decorator, returning ``None`` ends the run. Returning
-``END`` ends it from anywhere.
+``END`` ends it from anywhere; ``END("declined")`` also names how it ended (its outcome,
+shown beside its status), as does ``ctx.outcome("declined")`` in the step that ends it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,45 @@ from typing import Any
 
 from durability.errors import AgentDefinitionError, SchemaViolation, UnknownAgent
 
-END = "__end__"
+OUTCOME_MAX = 120  # Run.outcome's column
+
+
+class Ending:
+    """What ``END(outcome)`` returns: the end of the run, with the agent's word for how it
+    ended ("declined", "rejected at publish")."""
+
+    __slots__ = ("outcome",)
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = checked_outcome(outcome)
+
+    def __repr__(self) -> str:
+        return f"END({self.outcome!r})"
+
+
+class _End(str):
+    """``END``: returned by a step, ends the run; called, ends it with an outcome."""
+
+    __slots__ = ()
+
+    def __call__(self, outcome: str) -> Ending:
+        return Ending(outcome)
+
+
+def checked_outcome(outcome: Any) -> str:
+    """An outcome as stored: a short line of text. Anything else is the agent's mistake,
+    said now rather than cut or mangled at the run's end."""
+    if not isinstance(outcome, str):
+        raise AgentDefinitionError(f"an outcome is text, not {type(outcome).__name__}")
+    text = " ".join(outcome.split())
+    if not text or len(text) > OUTCOME_MAX:
+        raise AgentDefinitionError(
+            f"an outcome is 1 to {OUTCOME_MAX} characters of text, not {len(text)}"
+        )
+    return text
+
+
+END = _End("__end__")
 DURABILITY_LEVELS = ("strict", "relaxed", "replicated", "periodic")
 
 StepFn = Callable[[dict, Any], "str | None"]
@@ -167,7 +206,7 @@ class Agent:
                 i = self.order.index(step_name)
                 return self.order[i + 1] if i + 1 < len(self.order) else ""
             return ""
-        if returned == END:
+        if returned == END or isinstance(returned, Ending):
             return ""
         if not isinstance(returned, str) or returned not in self.steps:
             known = ", ".join(self.order)

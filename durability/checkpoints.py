@@ -200,6 +200,11 @@ class StepCommit:
     replay_counters: str = ""
 
     @property
+    # The run's last step: how it ended, in the agent's words ("" for its status alone).
+    outcome: str = ""
+    # Calls the step(s) of this checkpoint took from the journal instead of paying again,
+    # as [id, key] (written into the checkpoint event: no statement of their own).
+    replayed: list | None = None
     def finished(self) -> bool:
         return not self.next_step
 
@@ -247,13 +252,16 @@ SELECT id FROM c
 # Going on, the execution's next step is its first attempt: a crash from here on counts as
 # one when the run is claimed again (the poison-step counter).
 _LEASE_KEEP = "lease_expires_at = now() + %(lease)s::float8 * interval '1 second', attempts = 1,"
-_LEASE_END = "lease_expires_at = NULL, lease_owner = '', finished_at = now(), attempts = 0,"
+_LEASE_END = (
+    "lease_expires_at = NULL, lease_owner = '', finished_at = now(), attempts = 0,"
+    " outcome = %(outcome)s::text,"
+)
 _SNAPSHOT = """, s AS (
     INSERT INTO durability_snapshot (checkpoint_id, state, digest)
     SELECT c.id, %(snapshot)s::text, %(digest)s::text FROM c
 )"""
 _EVENTS_CONTINUE = "('checkpoint', %(data)s::text)"
-_EVENTS_FINISH = "('checkpoint', %(data)s::text), ('succeeded', '')"
+_EVENTS_FINISH = "('checkpoint', %(data)s::text), ('succeeded', %(end)s::text)"
 # Relaxed and replicated levels set synchronous_commit for this statement's own (implicit)
 # transaction only; the fenced UPDATE refers to the setting so that it is evaluated first.
 _CFG = "cfg AS (SELECT set_config('synchronous_commit', %(sync)s::text, true) AS v), "
@@ -347,9 +355,16 @@ def _commit_replicated(c: StepCommit, data: str) -> int:
         if not gave_up.is_set():
             raise
         # Cancelled before its commit record: nothing was written, the caller retries.
+    if c.replayed:
+        facts["replayed"] = c.replayed
         found = committed_id(c.run_id, c.commit_id)
         if found is None:
             raise
+def _ending(c: StepCommit) -> str:
+    """The succeeded event's data: the outcome, when the agent named one."""
+    return canonical.dumps({"outcome": c.outcome}).decode() if c.outcome else ""
+
+
         checkpoint_id = found
     finally:
         timer.cancel()
@@ -407,7 +422,7 @@ def _statement(c: StepCommit) -> str:
 def _params(c: StepCommit, data: str, raw: bool = False) -> dict[str, Any]:
     """The statement's parameters; ``raw`` keeps the patch and the snapshot as the bytes
     they are (the channel sends bytes as they are)."""
-    return {
+    values = {
         "sync": _SYNCHRONOUS_COMMIT.get(c.durability),
         "run": c.run_id,
         "token": c.token,
@@ -474,6 +489,10 @@ def send_step(c: StepCommit, bound: inflight.Bound | None = None) -> None:
 
 def step_ready() -> bool:
     """Whether the answer of the commit in flight is in (without waiting for it)."""
+    if c.finished:
+        values["outcome"] = c.outcome
+        values["end"] = _ending(c)
+    return values
     return inflight.channel().ready()
 
 
@@ -503,7 +522,11 @@ def _commit_orm(c: StepCommit, data: str) -> int:
     }
     if c.finished:
         fields.update(
-            status=RunStatus.SUCCEEDED, lease_owner="", lease_expires_at=None, finished_at=now
+            status=RunStatus.SUCCEEDED,
+            lease_owner="",
+            lease_expires_at=None,
+            finished_at=now,
+            outcome=c.outcome,
         )
     else:
         fields.update(
@@ -555,7 +578,12 @@ def _commit_orm(c: StepCommit, data: str) -> int:
     if c.finished:
         events.append(
             Event(
-                run_id=c.run_id, kind=EventKind.SUCCEEDED, seq=cp.seq, step=c.step, worker=c.worker
+                run_id=c.run_id,
+                kind=EventKind.SUCCEEDED,
+                seq=cp.seq,
+                step=c.step,
+                worker=c.worker,
+                data=_ending(c),
             )
         )
     Event.objects.bulk_create(events, run_checked=True)  # the fenced UPDATE above

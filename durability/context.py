@@ -198,6 +198,10 @@ class Context:
     def _next(self, table: str, key: str) -> int:
         occurrence = self._occurrences.get((table, key), 0)
         self._occurrences[(table, key)] = occurrence + 1
+        # Calls answered from the journal in this step (id, key): the executor writes them
+        # into the event that ends the step, so a recovery can say what it did not pay again.
+        self.replayed_calls: list[tuple[int, str]] = []
+        self.ending = ""  # ctx.outcome(...)
         return occurrence
 
     def _check_same(
@@ -240,6 +244,15 @@ class Context:
         resource = self.agent.limits.get(key) if self.agent is not None else None
         if resource:
             self._take(resource)
+    # --- how the run ends -------------------------------------------------------------------
+
+    def outcome(self, text: str) -> None:
+        """Name how the run ends ("rejected at publish"), if it ends with this step: shown
+        beside its status, filterable in the runs list. ``return END(text)`` does the same."""
+        from durability.agents import checked_outcome
+
+        self.ending = checked_outcome(text)
+
         fault("before_call", run=self.run_id, step=self.step, key=key, seq=self.seq, occ=occ)
         started = time.perf_counter()
         with telemetry.call(key, fname, kind) as span:
@@ -258,6 +271,8 @@ class Context:
             kind=kind,
             step=self.step,
             function=fname,
+            if kind == CallKind.CALL:
+                self.replayed_calls.append((rec.id, key))
             args_hash=ahash.value,
             result=data.decode(),
             duration_ms=duration_ms,

@@ -39,7 +39,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from durability import blobs, canonical, checkpoints, diff, dispatch, leases, telemetry
-from durability.agents import Agent, registry
+from durability.agents import Agent, Ending, registry
 from durability.checkpoints import Head, SnapshotWriter, StepCommit
 from durability.context import Context, Records, Suspension, WhatIf
 from durability.errors import (
@@ -345,6 +345,10 @@ class Execution:
         self.upgraded_from: int | None = None
         self.db_errors = 0
         self.failure: str = ""
+        # Calls answered from the journal since the last event that ends a step (id -> key),
+        # written into that event; and the outcome the run's last step named.
+        self.replayed: dict[int, str] = {}
+        self.ending = ""
         # The previous step's commit, sent and not answered yet (see _settle).
         self.inflight: InFlight | None = None
         row = claim.run
@@ -650,9 +654,17 @@ class Execution:
         to run this step again from its base, or the outcome that ends the execution."""
         try:
             try:
-                with step_deadline(self.agent.step_timeout, step):
-                    returned = fn(self.live, ctx)
+                try:
+                    with step_deadline(self.agent.step_timeout, step):
+                        # After a rollback: the compensations its operator ticked, before
+                        # the run goes on (nothing to do otherwise).
+                        ctx.run_compensations()
+                        returned = fn(self.live, ctx)
+                finally:
+                    self.replayed.update(ctx.replayed_calls)
                 next_step = self.agent.successor(step, returned)
+                if not next_step:
+                    self.ending = returned.outcome if isinstance(returned, Ending) else ctx.ending
                 self._step_done(step, next_step)
             except BaseException:
                 # However this step ended, the previous step's commit is answered first: if
@@ -854,6 +866,8 @@ class Execution:
             packages=self.fingerprint[1],
             replay_base_id=replay[0] if replay else None,
             replay_counters=replay[1] if replay else "",
+            outcome="" if next_step else self.ending,
+            replayed=self._take_replays(),
         )
         ahead = ahead and checkpoints.can_send_ahead(commit)
         # Converted for the wire while the commit in flight is still on the server: between
@@ -1050,6 +1064,20 @@ class Execution:
 
     # --- the ways an execution ends -------------------------------------------------------------
 
+    def _take_replays(self) -> list[list] | None:
+        """The calls replayed since the last step-ending event, for the next one to carry."""
+        if not self.replayed:
+            return None
+        taken = [[ident, key] for ident, key in self.replayed.items()]
+        self.replayed.clear()
+        return taken
+
+    def _with_replays(self, data: dict) -> str:
+        replayed = self._take_replays()
+        if replayed:
+            data["replayed"] = replayed
+        return canonical.dumps(data).decode()
+
     def _event(self, kind: str, **fields: Any) -> Event:
         fields.setdefault("seq", self.head.seq if self.head else self.row.head_seq)
         fields.setdefault("step", self.pc or (self.head.next_step if self.head else self.row.step))
@@ -1078,7 +1106,7 @@ class Execution:
             leases.release(self.run_id, self.token, **fields)
             self._event(
                 EventKind.SUSPENDED,
-                data=canonical.dumps({"reason": s.reason, "detail": s.detail}).decode(),
+                data=self._with_replays({"reason": s.reason, "detail": s.detail}),
             ).save()
         if s.wake_at is not None:
             dispatch.ring(self.run_id, delay=(s.wake_at - timezone.now()).total_seconds())
@@ -1112,9 +1140,9 @@ class Execution:
                 return Outcome.LOST
             self._event(
                 EventKind.RETRY_SCHEDULED,
-                data=canonical.dumps(
+                data=self._with_replays(
                     {"delay_s": round(delay, 3), "error": error[:2000], "retry": self.retries + 1}
-                ).decode(),
+                ),
             ).save()
             dispatch.ring(self.run_id, delay=delay + 0.05)
         return Outcome.RETRY
@@ -1153,7 +1181,7 @@ class Execution:
                 )
             events.append(
                 self._event(
-                    EventKind.FAILED, reason=message[:2000], data=canonical.dumps(detail).decode()
+                    EventKind.FAILED, reason=message[:2000], data=self._with_replays(detail)
                 )
             )
             Event.objects.bulk_create(events)
@@ -1199,6 +1227,8 @@ class Execution:
                 status=RunStatus.SUCCEEDED,
                 finished_at=Now(),
                 attempts=0,
+                # No step ended it here: whatever ending was named before is not this one's.
+                outcome="",
             ):
                 return Outcome.LOST
             self._event(EventKind.SUCCEEDED).save()

@@ -348,6 +348,10 @@ class LeaseKeeper:
         self._token: int | None = None
         self._token_set = threading.Event()
         self._locked = False
+                recoveries=Case(
+                    When(status=RunStatus.RUNNING, then=F("recoveries") + 1),
+                    default=F("recoveries"),
+                ),
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=f"lease-{run_id}", daemon=True)
 

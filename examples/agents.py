@@ -196,7 +196,7 @@ def review(state, ctx):
     )
     if not decision:
         state["outcome"] = f"rejected by {decision.by}: {decision.comment}"
-        return END
+        return END("rejected at publish")
     edited = decision.payload.get("draft") if isinstance(decision.payload, dict) else None
     if edited and edited != state["draft"]:
         state["draft"] = edited
@@ -259,7 +259,7 @@ def think(state, ctx):
     knobs(state, ctx, "think", crash_here=False)
     if state["iterations"] >= 10:
         state["resolution"] = "gave up after 10 iterations"
-        return END
+        return END("gave up")
     state["iterations"] += 1
     answer = ctx.call(
         "llm",
@@ -378,11 +378,39 @@ def act(state, ctx):
         )
         state["messages"].append({"role": "tool", "content": json.dumps(receipt)})
         state["resolution"] = args.get("text", "")
-        return END
+        outcome = support_outcome(state["messages"])
+        return END(outcome) if outcome else END
     else:
         observation = {"status": "unknown_tool", "tool": tool}
     state["messages"].append({"role": "tool", "content": json.dumps(observation)})
     return "think"
+
+
+def support_outcome(messages: list[dict]) -> str:
+    """How the conversation ended, beside the run's status: "refunded", "rejected" (an
+    operator said no to the refund), "declined" (the agent refused it: no such order, not
+    the customer's, or an amount it could not accept), or "" when no refund was asked."""
+    seen = set()
+    for message in messages:
+        if message.get("role") != "tool":
+            continue
+        try:
+            observation = json.loads(message.get("content") or "")
+        except ValueError:
+            continue
+        if isinstance(observation, dict):
+            status = observation.get("status")
+            if status == "refund_declined" and "approved amount" in str(observation.get("comment")):
+                status = "refund_refused"
+            seen.add(status)
+    for status, outcome in (
+        ("refund_done", "refunded"),
+        ("refund_declined", "rejected"),
+        ("refund_refused", "declined"),
+    ):
+        if status in seen:
+            return outcome
+    return ""
 
 
 class RefundEdit(BaseModel):

@@ -40,6 +40,8 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
         "children": _children(run),
         "parent": _parent(run),
         "trace": runinfo.trace_of(run),
+        "recoveries": runinfo.recoveries(run),
+        "failure": runinfo.failure(run),
         "header_token": runinfo.header_token(run),
         "actions_token": runinfo.actions_token(run, approvals, doubts),
         "can_resume": runinfo.can_resume(run),
@@ -130,6 +132,8 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
             children=_children(run),
             parent=_parent(run),
             trace=runinfo.trace_of(run),
+            recoveries=runinfo.recoveries(run),
+            failure=runinfo.failure(run),
         )
     return page(request, "dashboard/run.html", context, fragment="live")
 
