@@ -198,13 +198,13 @@ class StepCommit:
     packages: str = ""
     replay_base_id: int | None = None
     replay_counters: str = ""
-
-    @property
     # The run's last step: how it ended, in the agent's words ("" for its status alone).
     outcome: str = ""
     # Calls the step(s) of this checkpoint took from the journal instead of paying again,
     # as [id, key] (written into the checkpoint event: no statement of their own).
     replayed: list | None = None
+
+    @property
     def finished(self) -> bool:
         return not self.next_step
 
@@ -318,7 +318,14 @@ def _facts(c: StepCommit) -> str:
     facts = {"bytes": c.size, "delta": len(c.ops_bytes), "ops": c.ops_count}
     if c.upgraded_from is not None:
         facts["upgraded_from"] = c.upgraded_from
+    if c.replayed:
+        facts["replayed"] = c.replayed
     return canonical.dumps(facts).decode()
+
+
+def _ending(c: StepCommit) -> str:
+    """The succeeded event's data: the outcome, when the agent named one."""
+    return canonical.dumps({"outcome": c.outcome}).decode() if c.outcome else ""
 
 
 def _commit_pg_transaction(c: StepCommit, data: str) -> int:
@@ -355,16 +362,9 @@ def _commit_replicated(c: StepCommit, data: str) -> int:
         if not gave_up.is_set():
             raise
         # Cancelled before its commit record: nothing was written, the caller retries.
-    if c.replayed:
-        facts["replayed"] = c.replayed
         found = committed_id(c.run_id, c.commit_id)
         if found is None:
             raise
-def _ending(c: StepCommit) -> str:
-    """The succeeded event's data: the outcome, when the agent named one."""
-    return canonical.dumps({"outcome": c.outcome}).decode() if c.outcome else ""
-
-
         checkpoint_id = found
     finally:
         timer.cancel()
@@ -452,6 +452,10 @@ def _params(c: StepCommit, data: str, raw: bool = False) -> dict[str, Any]:
         "snapshot": c.snapshot if raw or c.snapshot is None else c.snapshot.decode(),
         "digest": c.snapshot_digest,
     }
+    if c.finished:
+        values["outcome"] = c.outcome
+        values["end"] = _ending(c)
+    return values
 
 
 # --- commits in flight ---------------------------------------------------------------------
@@ -489,10 +493,6 @@ def send_step(c: StepCommit, bound: inflight.Bound | None = None) -> None:
 
 def step_ready() -> bool:
     """Whether the answer of the commit in flight is in (without waiting for it)."""
-    if c.finished:
-        values["outcome"] = c.outcome
-        values["end"] = _ending(c)
-    return values
     return inflight.channel().ready()
 
 

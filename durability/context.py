@@ -170,6 +170,10 @@ class Context:
         self.secrets: set[str] = set()
         self.journal_writes = 0
         self.replayed = 0
+        # Calls answered from the journal in this step (id, key): the executor writes them
+        # into the event that ends the step, so a recovery can say what it did not pay again.
+        self.replayed_calls: list[tuple[int, str]] = []
+        self.ending = ""  # ctx.outcome(...)
         self._waits_drawn: set[int] = set()
         self._blobs: dict[str, Any] = {}
         self.what_if = what_if
@@ -198,10 +202,6 @@ class Context:
     def _next(self, table: str, key: str) -> int:
         occurrence = self._occurrences.get((table, key), 0)
         self._occurrences[(table, key)] = occurrence + 1
-        # Calls answered from the journal in this step (id, key): the executor writes them
-        # into the event that ends the step, so a recovery can say what it did not pay again.
-        self.replayed_calls: list[tuple[int, str]] = []
-        self.ending = ""  # ctx.outcome(...)
         return occurrence
 
     def _check_same(
@@ -215,6 +215,15 @@ class Context:
                 f" {rec.function} but now {fn}",
                 run_id=self.run_id,
             )
+
+    # --- how the run ends -------------------------------------------------------------------
+
+    def outcome(self, text: str) -> None:
+        """Name how the run ends ("rejected at publish"), if it ends with this step: shown
+        beside its status, filterable in the runs list. ``return END(text)`` does the same."""
+        from durability.agents import checked_outcome
+
+        self.ending = checked_outcome(text)
 
     # --- journaled calls --------------------------------------------------------------------
 
@@ -234,6 +243,8 @@ class Context:
         if rec is not None:
             self._check_same("call", key, occ, rec, fname, ahash)
             self.replayed += 1
+            if kind == CallKind.CALL:
+                self.replayed_calls.append((rec.id, key))
             telemetry.note("call.replayed", key=key, occurrence=occ)
             return canonical.loads(rec.result)
         if self.what_if is not None and kind != CallKind.SLEEP:
@@ -244,15 +255,6 @@ class Context:
         resource = self.agent.limits.get(key) if self.agent is not None else None
         if resource:
             self._take(resource)
-    # --- how the run ends -------------------------------------------------------------------
-
-    def outcome(self, text: str) -> None:
-        """Name how the run ends ("rejected at publish"), if it ends with this step: shown
-        beside its status, filterable in the runs list. ``return END(text)`` does the same."""
-        from durability.agents import checked_outcome
-
-        self.ending = checked_outcome(text)
-
         fault("before_call", run=self.run_id, step=self.step, key=key, seq=self.seq, occ=occ)
         started = time.perf_counter()
         with telemetry.call(key, fname, kind) as span:
@@ -271,8 +273,6 @@ class Context:
             kind=kind,
             step=self.step,
             function=fname,
-            if kind == CallKind.CALL:
-                self.replayed_calls.append((rec.id, key))
             args_hash=ahash.value,
             result=data.decode(),
             duration_ms=duration_ms,

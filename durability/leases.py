@@ -238,6 +238,10 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
                     When(status=RunStatus.RUNNING, then=Coalesce("heartbeat_at", "claimed_at")),
                     default=F("lost_heartbeat_at"),
                 ),
+                recoveries=Case(
+                    When(status=RunStatus.RUNNING, then=F("recoveries") + 1),
+                    default=F("recoveries"),
+                ),
                 heartbeat_at=Now(),
                 claimed_at=Now(),
                 status=RunStatus.RUNNING,
@@ -348,10 +352,6 @@ class LeaseKeeper:
         self._token: int | None = None
         self._token_set = threading.Event()
         self._locked = False
-                recoveries=Case(
-                    When(status=RunStatus.RUNNING, then=F("recoveries") + 1),
-                    default=F("recoveries"),
-                ),
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=f"lease-{run_id}", daemon=True)
 
