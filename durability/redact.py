@@ -344,8 +344,8 @@ _ARGS_PURPOSE = b"durability.args-hash"
 def _keys(
     explicit: str, fallbacks: tuple[str, ...], secret_key: str, secret_fallbacks: tuple[str, ...]
 ) -> tuple[bytes, ...]:
-    materials = [explicit, *fallbacks] if explicit else []
-    materials += [secret_key, *secret_fallbacks]
+    # The current key first; then every key a row in flight may have been hashed under.
+    materials = [explicit or secret_key, *fallbacks, secret_key, *secret_fallbacks]
     keys = []
     for material in dict.fromkeys(m for m in materials if m):
         # A key of its own for this purpose: an argument hash and a chain hash are never

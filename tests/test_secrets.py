@@ -305,6 +305,11 @@ def test_hashes_under_every_configured_key_are_accepted(settings):
     assert not two.matches(args_hash(("other",), {}))
     settings.DURABILITY_HMAC_KEY_FALLBACKS = []
     assert not ArgsHash(*args).matches(one)
+    # Back to the key derived from SECRET_KEY, the explicit one kept as a fallback.
+    settings.DURABILITY_HMAC_KEY = ""
+    settings.DURABILITY_HMAC_KEY_FALLBACKS = ["explicit-two-" + "d" * 32]
+    back = ArgsHash(*args)
+    assert back.value == derived and back.matches(two.value)
 
 
 # --- what the gate refuses, and what it catches that a per-value redaction would not ------------
