@@ -238,6 +238,15 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {
     "interval_max": 0.5,
 }
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "durability")
+# Sweeps and the other housekeeping beat sends go to a queue of their own, which a small
+# worker of its own consumes (Procfile, compose.yaml): on the runs' queue, recovery waited
+# behind the longest step. Run workers consume it as well, so a deployment without that
+# worker still sweeps (as before: only when a run worker has a free slot).
+DURABILITY_HOUSEKEEPING_QUEUE = f"{CELERY_TASK_DEFAULT_QUEUE}.housekeeping"
+CELERY_TASK_ROUTES = {
+    task: {"queue": DURABILITY_HOUSEKEEPING_QUEUE}
+    for task in ("durability.sweep", "durability.prune", "dashboard.notify")
+}
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # A killed pool process's message stays unacked, holding one of the worker's prefetch slots,
@@ -276,6 +285,10 @@ DURABILITY_LEASE_SECONDS = env_float("DURABILITY_LEASE_SECONDS", 30.0)
 DURABILITY_HEARTBEAT_SECONDS = env_float(
     "DURABILITY_HEARTBEAT_SECONDS", DURABILITY_LEASE_SECONDS / 3
 )
+# After a database restart (every session, so every liveness lock, gone at once) a missing
+# lock is not yet a death: a live worker takes its lock back within a heartbeat and this.
+# Also how long beyond a heartbeat a lock holder's session must stay idle to count as stalled.
+DURABILITY_RECONNECT_MARGIN_SECONDS = env_float("DURABILITY_RECONNECT_MARGIN_SECONDS", 5.0)
 # A queued run nobody claimed for this long has its doorbell rung again.
 DURABILITY_REQUEUE_SECONDS = env_float("DURABILITY_REQUEUE_SECONDS", 10.0)
 # Claims in a row that ended with the worker dying before the run fails as a poison step.

@@ -52,6 +52,28 @@ NOT_DONE = object()
 """What a ``reconcile`` function returns when it knows the effect did not happen."""
 
 
+def outcome_recorded[T](write: Callable[[], T]) -> T:
+    """``write()``, which records what this process holds (a call's result, an effect's
+    start or outcome), retried with backoff while the database is away, for up to
+    ``DURABILITY_DB_WAIT_SECONDS``. A worker that can still record an outcome does: it is
+    never asked for again, or left pending for an operator to call "in doubt". Every write
+    passed here is safe to repeat (insert-if-absent, conditional updates)."""
+    from django.conf import settings
+    from django.db import InterfaceError, OperationalError, connection
+
+    give_up = time.monotonic() + float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
+    delay = 0.05
+    while True:
+        try:
+            return write()
+        except (OperationalError, InterfaceError):
+            if connection.in_atomic_block or time.monotonic() >= give_up:
+                raise
+            connection.close()  # a new session at the next try
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
 @dataclass(frozen=True)
 class Decision:
     """An operator's answer to ``ctx.approval``. Truthy when approved."""
@@ -302,8 +324,9 @@ class Context:
 
     def _record(self, entry: JournalEntry) -> JournalEntry:
         """Insert-if-absent: the entry, or the one a worker that lost its lease recorded
-        first (every replay must see the same answer). Kept in this step's records."""
-        stored = journal.insert_if_absent(entry)
+        first (every replay must see the same answer). Kept in this step's records. The
+        result is in hand: it is recorded once the database answers, not asked for again."""
+        stored = outcome_recorded(lambda: journal.insert_if_absent(entry))
         if stored is entry:
             self.journal_writes += 1
         self._records.journal[(stored.key, stored.occurrence)] = stored
@@ -525,21 +548,30 @@ class Context:
             raise LeaseLost(f"run {self.run_id}: lease lost before an effect", guard="lease")
 
     def _perform(self, rec: Effect, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        with transaction.atomic():
-            self._fence()
-            Effect.objects.filter(pk=rec.pk).update(
-                attempts=F("attempts") + 1, status=EffectStatus.PENDING
-            )
+        def begin() -> None:
+            with transaction.atomic():
+                self._fence()
+                Effect.objects.filter(pk=rec.pk).update(
+                    attempts=F("attempts") + 1, status=EffectStatus.PENDING
+                )
+
+        # Waited out here, a database outage cannot leave the effect pending in this
+        # process's records as if it had been called: it has not been, yet.
+        outcome_recorded(begin)
         with telemetry.effect(rec.key, rec.idempotency_key, rec.function) as span:
             try:
                 value = fn(*args, idempotency_key=rec.idempotency_key, **kwargs)
             except BaseException as exc:
                 if isinstance(exc, Exception):
                     retry = isinstance(exc, Transient) or self.agent.is_transient(exc)
-                    Effect.objects.filter(pk=rec.pk, status=EffectStatus.PENDING).update(
-                        status=EffectStatus.RETRY if retry else EffectStatus.FAILED,
-                        error=f"{type(exc).__name__}: {exc}"[:2000],
-                    )
+
+                    def record_failure(exc: BaseException = exc) -> None:
+                        Effect.objects.filter(pk=rec.pk, status=EffectStatus.PENDING).update(
+                            status=EffectStatus.RETRY if retry else EffectStatus.FAILED,
+                            error=f"{type(exc).__name__}: {exc}"[:2000],
+                        )
+
+                    outcome_recorded(record_failure)
                     telemetry.set_attributes(
                         span, **{"durability.effect.outcome": "retry" if retry else "failed"}
                     )
@@ -549,18 +581,22 @@ class Context:
         canonical.check_json(value, what=f"result of effect {rec.key!r}")
         value, _ = redact(value, self.secrets)
         data = canonical.dumps(value).decode()
-        updated = (
-            Effect.objects.filter(pk=rec.pk)
-            .exclude(status=EffectStatus.DONE)
-            .update(status=EffectStatus.DONE, result=data, completed_at=Now(), error="")
+        # The outcome is in hand: recorded once the database answers (an outage is waited
+        # out), never left for the next attempt to find pending and put in doubt.
+        unfinished = Effect.objects.filter(pk=rec.pk).exclude(status=EffectStatus.DONE)
+        updated = outcome_recorded(
+            lambda: unfinished.update(
+                status=EffectStatus.DONE, result=data, completed_at=Now(), error=""
+            )
         )
         if not updated:
-            data = Effect.objects.filter(pk=rec.pk).values_list("result", flat=True).first()
+            stored = Effect.objects.filter(pk=rec.pk).values_list("result", flat=True)
+            data = outcome_recorded(stored.first)
         else:
             # The outcome is recorded whoever holds the run now (unfenced: it happened). If
             # the run was meanwhile given to another worker that found the effect unfinished
             # and suspended it in doubt, nobody else would wake it: the outcome is known now.
-            dispatch.wake(self.run_id, WaitReason.IN_DOUBT)
+            outcome_recorded(lambda: dispatch.wake(self.run_id, WaitReason.IN_DOUBT))
         rec.status, rec.result = EffectStatus.DONE, data
         return canonical.loads(data) if data else None
 

@@ -128,7 +128,7 @@ def execute(
         _ring_again_if_handed_back(run_id)
         return Outcome.BUSY
     try:
-        claim = leases.claim(run_id, worker, owner_dead=True)
+        claim = leases.claim(run_id, worker, owner_dead=True, holder=keeper.pid)
         if claim is None:
             return Outcome.SKIPPED
         keeper.start(claim.token)

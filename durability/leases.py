@@ -238,8 +238,12 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
                     When(status=RunStatus.RUNNING, then=Coalesce("heartbeat_at", "claimed_at")),
                     default=F("lost_heartbeat_at"),
                 ),
+                # Taken over here, or requeued by the sweeper from a dead attempt.
                 recoveries=Case(
-                    When(status=RunStatus.RUNNING, then=F("recoveries") + 1),
+                    When(
+                        Q(status=RunStatus.RUNNING) | Q(lost_heartbeat_at__isnull=False),
+                        then=F("recoveries") + 1,
+                    ),
                     default=F("recoveries"),
                 ),
                 heartbeat_at=Now(),

@@ -1,14 +1,18 @@
 """The sweeper: PostgreSQL is the truth and the broker only a doorbell, so something must
 find the runs the broker forgot. Run periodically (Celery beat) and once at worker start.
 
-1. Runs marked running whose process is gone (nobody holds their liveness lock) or whose
-   lease expired are put back in the queue, fenced on the token that was read.
+1. Runs marked running whose process is gone (nobody holds their liveness lock, and a
+   session lost to a database restart cannot explain it) or whose lease expired are put
+   back in the queue. The statement that does it checks that again, and is fenced on the
+   token that was read: a run claimed since the sweep decided is never touched.
 2. Durable timers that are due are queued.
 3. Runs queued and unclaimed for longer than ``DURABILITY_REQUEUE_SECONDS`` (a message lost
    with a Redis restart, a worker SIGKILLed with its message unacked) are rung again.
 
 Every change is a conditional UPDATE, so several sweepers at once are harmless; rows are
-picked with ``SKIP LOCKED``.
+picked with ``SKIP LOCKED``. A session is ended only when its holder is proven stalled, in
+the statement that ends it (``leases.end_stalled_holders``). Sweeps run on a queue of their
+own (beat's housekeeping), never behind run executions.
 """
 
 from __future__ import annotations
@@ -71,19 +75,20 @@ def sweep(limit: int = 500) -> SweepReport:
 def _recover_dead(report: SweepReport, limit: int) -> None:
     # Read the runs first and the locks second: a claim takes its lock before its UPDATE,
     # so every lease seen here that still has a live owner shows in the lock table read next.
+    # Only claims older than this decision are candidates; the UPDATE below checks again.
+    decision = _db_now()
     running = list(
-        Run.objects.filter(status=RunStatus.RUNNING).values_list(
+        Run.objects.filter(status=RunStatus.RUNNING, claimed_at__lt=decision).values_list(
             "id", "lease_token", "lease_expires_at", "lease_owner", "heartbeat_at"
         )[:limit]
     )
     if not running:
         return
     holders = leases.lock_holders([r[0] for r in running])
-    now = _db_now()
     dead = []
     for run_id, token, expires, owner, heartbeat in running:
         gone = str(run_id) not in holders
-        expired = expires is not None and expires < now
+        expired = expires is not None and expires < decision
         if gone or expired:
             dead.append(
                 (run_id, token, owner, heartbeat, "process gone" if gone else "lease expired")
@@ -91,36 +96,46 @@ def _recover_dead(report: SweepReport, limit: int) -> None:
     for run_id, token, owner, heartbeat, why in dead:
         fault("sweep", run=run_id)
         try:
-            requeued: bool | None = _requeue(run_id, token, owner, heartbeat, why)
+            requeued = _requeue(run_id, token, owner, heartbeat, why, decision)
         except OperationalError:
             # Its row is locked by a transaction that does not end: a worker stalled inside
-            # one. Ending its lock holder below does not free the row; the next sweep tries
-            # again, and the server ends such sessions if idle_in_transaction_session_timeout
-            # is set.
+            # one. The next sweep tries again, and the server ends such sessions if
+            # idle_in_transaction_session_timeout is set.
             log.warning("run %s: its row stays locked; retried at the next sweep", run_id)
-            requeued = None
-        if why == "lease expired" and requeued is not False:
-            _end_stalled(run_id, holders.get(str(run_id), set()))
+            requeued = False
+        if why == "lease expired":
+            # Its lock is held still: end the holder's session if it is stalled, or every
+            # worker the run is sent to would find it locked.
+            _end_stalled([(run_id, token + 1 if requeued else token)])
         if requeued:
             report.recovered.append(str(run_id))
 
 
-def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str) -> bool:
+def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str, decision: Any) -> bool:
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cur:  # never wait long on a stalled row lock
                 cur.execute("SET LOCAL lock_timeout = '2s'")
-        updated = Run.objects.filter(pk=run_id, lease_token=token, status=RunStatus.RUNNING).update(
-            status=RunStatus.QUEUED,
-            lease_token=F("lease_token") + 1,
-            lease_owner="",
-            lease_expires_at=None,
-            lost_heartbeat_at=Coalesce("heartbeat_at", "claimed_at"),
-            rung_at=Now(),
-            updated_at=Now(),
+        updated = (
+            Run.objects.filter(
+                pk=run_id, lease_token=token, status=RunStatus.RUNNING, claimed_at__lt=decision
+            )
+            .filter(leases.proven_dead(run_id, why))
+            .update(
+                status=RunStatus.QUEUED,
+                lease_token=F("lease_token") + 1,
+                lease_owner="",
+                lease_expires_at=None,
+                lost_heartbeat_at=Coalesce("heartbeat_at", "claimed_at"),
+                rung_at=Now(),
+                updated_at=Now(),
+            )
         )
         if not updated:
-            return False  # it moved on meanwhile: claimed, finished, or another sweeper
+            # It moved on meanwhile (claimed, finished, another sweeper), or its holder is
+            # not proven gone: the database restarted a moment ago, and a live holder takes
+            # its lock back as soon as it reconnects.
+            return False
         Event.objects.create(
             run_id=run_id,
             kind=EventKind.LEASE_LOST,
@@ -134,16 +149,16 @@ def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str) -> b
     return True
 
 
-def _end_stalled(run_id: Any, pids: set[int]) -> None:
-    """Expired, or queued and unclaimed, yet its lock is held: the process holding it
-    stalled with its database session alive."""
+def _end_stalled(runs: list[tuple[Any, int]]) -> None:
+    """Runs (with the token the sweep saw) whose lock is held although they are queued and
+    unclaimed, or their lease expired: end the sessions of the holders proven stalled."""
     try:
-        ended = leases.end_stalled_holder(run_id, pids)
+        ended = leases.end_stalled_holders(runs)
     except DatabaseError:
-        log.warning("run %s: could not end the stalled session", run_id, exc_info=True)
+        log.warning("could not end the sessions of stalled workers", exc_info=True)
         return
     if ended:
-        log.warning("run %s: ended the session of a stalled worker", run_id)
+        log.warning("ended the sessions of %d stalled worker(s)", ended)
 
 
 def _pick(query: Q, limit: int) -> list:
@@ -214,20 +229,27 @@ def _expire_approvals(report: SweepReport, limit: int) -> None:
 def _ring_forgotten(report: SweepReport, limit: int) -> None:
     quiet = float(getattr(settings, "DURABILITY_REQUEUE_SECONDS", 10.0))
     with transaction.atomic():
-        forgotten = _pick(
-            Q(status=RunStatus.QUEUED)
-            & (Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
-            & (Q(rung_at__isnull=True) | Q(rung_at__lt=leases.db_now_plus(-quiet))),
-            limit,
+        forgotten = list(
+            Run.objects.select_for_update(skip_locked=True)
+            .filter(
+                Q(status=RunStatus.QUEUED)
+                & (Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
+                & (Q(rung_at__isnull=True) | Q(rung_at__lt=leases.db_now_plus(-quiet)))
+            )
+            .values_list("id", "lease_token")[:limit]
         )
         if not forgotten:
             return
-        Run.objects.filter(pk__in=forgotten).update(rung_at=Now())
-        for run_id in forgotten:
-            dispatch.ring(run_id)
-    report.rung.extend(str(r) for r in forgotten)
+        Run.objects.filter(pk__in=[run_id for run_id, _ in forgotten]).update(rung_at=Now())
+        for run_id, _ in forgotten:
+            dispatch.ring(run_id)  # once this commits: a claim never waits on these rows
+    report.rung.extend(str(run_id) for run_id, _ in forgotten)
     # Queued and unclaimed this long, yet locked: a claim takes the lock and the lease within
-    # moments, so whoever holds it is stalled (an ending that failed at recovery, or a worker
-    # that stopped between the two). Every delivery would find it locked until it goes.
-    for run_id, pids in leases.lock_holders(forgotten).items():
-        _end_stalled(run_id, pids)
+    # moments, so a holder whose session has been idle since is stalled (an ending that failed
+    # at recovery, or a worker that stopped between the two). Every delivery would find it
+    # locked until it goes. A worker that took the message just now is left alone: the
+    # statement that ends a session checks the run is still unclaimed at the token read here
+    # and the holder idle, at that very moment.
+    held = leases.lock_holders([run_id for run_id, _ in forgotten])
+    if held:
+        _end_stalled([(run_id, token) for run_id, token in forgotten if str(run_id) in held])

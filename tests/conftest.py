@@ -10,7 +10,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from tests.procs import Beat, CeleryWorker
+from tests.procs import Beat, CeleryWorker, housekeeping_queue
 from tests.servers import EffectReceiver, FakeLLM
 
 pytest_plugins: list[str] = []
@@ -136,7 +136,8 @@ def test_database_url() -> str:
 
 class Cluster:
     """Celery workers and a beat for one test module, on a queue of their own, pointed at
-    the test database; plus the faults file they read."""
+    the test database; plus the faults file they read. Beat comes with the housekeeping
+    worker that executes its sweeps, as in the Procfile."""
 
     def __init__(
         self,
@@ -165,6 +166,7 @@ class Cluster:
         }
         self.workers: list[CeleryWorker] = []
         self.beat: Beat | None = None
+        self.housekeeping: CeleryWorker | None = None
 
     def worker(self, concurrency: int = 1, **extra_env: str) -> CeleryWorker:
         name = f"{self.name}-w{len(self.workers) + 1}"
@@ -173,11 +175,17 @@ class Cluster:
         return worker.start()
 
     def start_beat(self) -> Beat:
+        if self.housekeeping is None:
+            self.housekeeping = CeleryWorker(
+                f"{self.name}-housekeeping", self.env, queues=[housekeeping_queue(self.env)]
+            )
+        if not self.housekeeping.alive():
+            self.housekeeping.start()
         self.beat = Beat(f"{self.name}-beat", self.env, self.folder)
         return self.beat.start()
 
     def stop(self) -> None:
-        for proc in [*self.workers, self.beat]:
+        for proc in [*self.workers, self.beat, self.housekeeping]:
             if proc is not None:
                 proc.stop()
 

@@ -149,10 +149,18 @@ def worker_argv(
 
 
 class CeleryWorker(Proc):
+    """A run worker, on the runs' queue (``CELERY_QUEUE``) unless ``queues`` says otherwise
+    (the housekeeping worker: ``[housekeeping_queue(env)]``)."""
+
     def __init__(
-        self, name: str, env: dict[str, str], concurrency: int = 1, pool: str = "prefork"
+        self,
+        name: str,
+        env: dict[str, str],
+        concurrency: int = 1,
+        pool: str = "prefork",
+        queues: list[str] | None = None,
     ) -> None:
-        argv = worker_argv(name, [env["CELERY_QUEUE"]], concurrency, pool)
+        argv = worker_argv(name, queues or [env["CELERY_QUEUE"]], concurrency, pool)
         super().__init__(name, argv, env)
 
     def start(self) -> CeleryWorker:
@@ -172,6 +180,11 @@ class CeleryWorker(Proc):
     def restart(self) -> CeleryWorker:
         self.stop()
         return self.start()
+
+
+def housekeeping_queue(env: dict[str, str]) -> str:
+    """Where beat sends sweeps (``DURABILITY_HOUSEKEEPING_QUEUE`` in config/settings.py)."""
+    return f"{env.get('CELERY_QUEUE') or 'durability'}.housekeeping"
 
 
 def beat_argv(schedule: Path, max_interval: float | None = None) -> list[str]:

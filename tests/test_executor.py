@@ -771,7 +771,7 @@ def test_a_delivery_that_finds_the_lock_of_a_run_handed_back_rings_again():
         thread.join()
 
 
-def test_the_sweeper_ends_a_session_that_keeps_a_queued_run_locked():
+def test_the_sweeper_ends_a_session_that_keeps_a_queued_run_locked(settings):
     """Queued and unclaimed for longer than the requeue interval, yet its lock is held: the
     holder stalled (an ending at recovery that failed, a stop between lock and claim)."""
     import threading
@@ -809,6 +809,10 @@ def test_the_sweeper_ends_a_session_that_keeps_a_queued_run_locked():
         assert locked.wait(10)
         Run.objects.filter(pk=run.id).update(rung_at=timezone.now() - timedelta(minutes=5))
         assert leases.live_owners([run.id]) == {str(run.id)}
+        # Stalled means idle past a heartbeat interval and a margin: a holder that took the
+        # lock a moment ago is about to claim, and is never ended (tests/test_liveness.py).
+        settings.DURABILITY_RECONNECT_MARGIN_SECONDS = 0.5
+        time.sleep(leases.settle_seconds() + 0.2)
         recovery.sweep()
         # pg_terminate_backend signals the session; the lock goes when it has exited.
         wait_until(lambda: not leases.live_owners([run.id]), timeout=10, what="the lock")
