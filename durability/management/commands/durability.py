@@ -22,6 +22,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
+from durability import approvals as edits
 from durability import canonical, dispatch, operations, telemetry
 from durability.agents import registry
 from durability.errors import (
@@ -355,6 +356,12 @@ class Command(BaseCommand):
                         "name": a.name,
                         "status": a.status,
                         "payload": canonical.loads(a.payload),
+                        # What was decided when it differs from what was asked (else null),
+                        # and the difference field by field.
+                        "edited_payload": (
+                            canonical.loads(a.edited_payload) if a.edited_payload else None
+                        ),
+                        "changes": edits.stored_changes(a),
                         "decided_by": a.decided_by,
                         "comment": a.comment,
                     }
@@ -415,6 +422,9 @@ class Command(BaseCommand):
             for a in approvals:
                 who = f" by {a.decided_by}" if a.decided_by else ""
                 self.say(f"  {a.name:<14} {a.status:<10}{who} {a.comment}")
+                changed = edits.describe(edits.stored_changes(a))
+                if changed:
+                    self.say(f"    with edits: {changed}")
         if effects:
             self.say("effects:")
             for e in effects:
