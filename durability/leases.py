@@ -6,25 +6,34 @@ or partitioned worker is not declared dead too eagerly, yet a *dead* worker is n
 once: while it executes a run, a worker holds a lock that the operating system or the
 database frees the moment its process dies (a session advisory lock on PostgreSQL, freed
 ~6 ms after SIGKILL; an ``flock`` on a file for the embedded SQLite default). The sweeper
-treats "running, but nobody holds its lock" as dead.
+treats "running, but nobody holds its lock" as dead, unless a lost session explains it: a
+database restart drops every session, and so every lock, at once. Then a missing lock means
+death only once the server has been up longer than a heartbeat interval plus a margin (the
+holder, if alive, has reconnected and taken its lock back by then) or the holder's heartbeat
+is older than a whole lease.
 
 Heartbeats run on their own thread and database connection, so a step blocked in a 60 s
-call keeps its lease. Lease times use the database clock.
+call keeps its lease; that thread watches its session and takes the lock back as soon as
+the database answers again. Lease times use the database clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+import select
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, When
+from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Q, When
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce, Now
 
 from durability.models import (
@@ -46,6 +55,16 @@ def lease_seconds() -> float:
 
 def heartbeat_seconds() -> float:
     return float(getattr(settings, "DURABILITY_HEARTBEAT_SECONDS", lease_seconds() / 3))
+
+
+def reconnect_margin_seconds() -> float:
+    return float(getattr(settings, "DURABILITY_RECONNECT_MARGIN_SECONDS", 5.0))
+
+
+def settle_seconds() -> float:
+    """How long a live holder may go without its lock after the database restarted, or
+    without any sign of activity on its session: a heartbeat interval plus a margin."""
+    return heartbeat_seconds() + reconnect_margin_seconds()
 
 
 def db_now_plus(seconds: float) -> ExpressionWrapper:
@@ -75,12 +94,18 @@ class LivenessLock:
         self.run_id = run_id
         self._fd: int | None = None
         self.held = False
+        self.pid: int | None = None  # the database session holding it (PostgreSQL)
 
     def acquire(self) -> bool:
         if connection.vendor == "postgresql":
             with connection.cursor() as cur:
-                cur.execute("SELECT pg_try_advisory_lock(%s)", [advisory_key(self.run_id)])
-                self.held = bool(cur.fetchone()[0])
+                cur.execute(
+                    "SELECT pg_try_advisory_lock(%s), pg_backend_pid()",
+                    [advisory_key(self.run_id)],
+                )
+                got, pid = cur.fetchone()
+                self.held = bool(got)
+                self.pid = int(pid) if self.held else None
             return self.held
         fd = os.open(_lock_path(self.run_id), os.O_CREAT | os.O_RDWR, 0o644)
         try:
@@ -95,6 +120,15 @@ class LivenessLock:
     def on_connection(self) -> bool:
         """Held by a database session (which a dropped connection frees), not by a file."""
         return self._fd is None
+
+    def session_socket(self) -> int | None:
+        """The socket of the session holding the lock: readable when the server ends it."""
+        if self._fd is not None or not self.held or connection.connection is None:
+            return None
+        try:
+            return connection.connection.fileno()
+        except Exception:  # closed under us
+            return None
 
     def release(self) -> None:
         if not self.held:
@@ -121,28 +155,94 @@ HELD_ADVISORY_LOCKS = (
 )
 
 
-def end_stalled_holder(run_id: Any, pids: set[int]) -> int:
-    """End the database session that still holds the liveness lock of a run whose lease
-    expired: a process stopped or cut off from its workers while its session lives on
-    (SIGSTOP, a paused VM, a partition the server has not noticed). Until that session ends,
-    every worker the run is sent to would find it held and leave it alone. The stalled
-    process, if it ever resumes, finds its connection gone and its token outdated.
-
-    Only ``pids``, the sessions seen holding the lock when the lease was judged expired,
-    and only while they still hold it: a worker that took the run since is never touched.
-    Returns the number of sessions ended (PostgreSQL; elsewhere the lock dies with the
-    process)."""
-    if connection.vendor != "postgresql" or not pids:
-        return 0
+def _key_parts(run_id: Any) -> tuple[int, int]:
+    """A run's advisory key as pg_locks shows it: (classid, objid), each 32 unsigned bits."""
     key = advisory_key(run_id) & 0xFFFFFFFFFFFFFFFF
+    return key >> 32, key & 0xFFFFFFFF
+
+
+# Sessions holding the liveness lock of one of the given (run, token) pairs, proven stalled
+# in this very statement: the run is still at that token (nobody claimed it since the sweep
+# decided), it is queued or its lease ran out, and the holder's session has done nothing for
+# a heartbeat interval plus a margin (a live holder beats every interval, and takes its lock
+# moments before claiming: one that took the run an instant ago is never touched).
+_END_STALLED = f"""
+SELECT count(*) FILTER (WHERE pg_terminate_backend(held.pid))
+  FROM ({HELD_ADVISORY_LOCKS}) held
+  JOIN unnest(%s::uuid[], %s::bigint[], %s::bigint[], %s::bigint[]) AS w(run_id, hi, lo, token)
+    ON held.classid = w.hi AND held.objid = w.lo
+  JOIN durability_run r ON r.id = w.run_id AND r.lease_token = w.token
+  JOIN pg_stat_activity a ON a.pid = held.pid
+ WHERE held.objsubid = 1 AND held.pid <> pg_backend_pid()
+   AND (r.status = 'queued' OR (r.status = 'running' AND r.lease_expires_at < now()))
+   AND a.state_change < now() - %s * interval '1 second'
+"""
+
+
+def end_stalled_holders(runs: list[tuple[Any, int]]) -> int:
+    """End the database sessions that still hold the liveness lock of these runs, each
+    given with the token the sweep saw, where the holder is proven stalled: a process stopped
+    or cut off while its session lives on (SIGSTOP, a paused VM, a partition the server has
+    not noticed, a worker that stopped between taking the lock and claiming). Until that
+    session ends, every worker the run is sent to would find it held and leave it alone. The
+    stalled process, if it ever resumes, finds its connection gone and its token outdated.
+
+    The proof is checked in the statement that ends the session (see ``_END_STALLED``), so a
+    worker that took the run since the sweep decided is never touched. Returns the number of
+    sessions ended (PostgreSQL; elsewhere the lock dies with the process)."""
+    if connection.vendor != "postgresql" or not runs:
+        return 0
+    parts = [_key_parts(run_id) for run_id, _ in runs]
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))"
-            f" FROM ({HELD_ADVISORY_LOCKS}) held WHERE objsubid = 1 AND classid = %s"
-            " AND objid = %s AND pid = ANY(%s) AND pid <> pg_backend_pid()",
-            [key >> 32, key & 0xFFFFFFFF, sorted(pids)],
+            _END_STALLED,
+            [
+                [str(run_id) for run_id, _ in runs],
+                [hi for hi, _ in parts],
+                [lo for _, lo in parts],
+                [int(token) for _, token in runs],
+                settle_seconds(),
+            ],
         )
         return int(cur.fetchone()[0])
+
+
+def _held_by(run_id: Any, pid: int | None = None) -> str:
+    """SQL: the run's liveness lock is held (by session ``pid`` if given)."""
+    hi, lo = _key_parts(run_id)
+    by = f" AND pid = {int(pid)}" if pid is not None else ""
+    return (
+        f"EXISTS (SELECT 1 FROM ({HELD_ADVISORY_LOCKS}) held"
+        f" WHERE objsubid = 1 AND classid = {hi} AND objid = {lo}{by})"
+    )
+
+
+def _missing_lock_explained_sql() -> tuple[str, list[Any]]:
+    """SQL over ``durability_run``: a missing liveness lock may be a session the database
+    lost, not a death. So it is, while the server has been up for less than a heartbeat
+    interval plus a margin (a live holder reconnects and takes its lock back within that)
+    and the holder gave a sign of life within its lease."""
+    return (
+        "(now() - pg_postmaster_start_time() <= %s * interval '1 second'"
+        " AND COALESCE(durability_run.heartbeat_at, durability_run.claimed_at)"
+        " >= now() - %s * interval '1 second')",
+        [settle_seconds(), lease_seconds()],
+    )
+
+
+def proven_dead(run_id: Any, why: str) -> Q:
+    """A filter for the UPDATE that takes a running run from its holder: true only if, when
+    that statement runs, the holder is gone (``"process gone"``: nobody holds its lock and
+    a lost session cannot explain it) or its lease ran out (``"lease expired"``). The
+    caller also fences on the token it read, so the claim is older than its decision."""
+    if why == "lease expired":
+        return Q(lease_expires_at__lt=Now())
+    if connection.vendor != "postgresql":
+        return Q()  # a file lock cannot be read in SQL: the caller looked just before
+    explained, params = _missing_lock_explained_sql()
+    return Q(
+        RawSQL(f"(NOT {_held_by(run_id)} AND NOT {explained})", params, output_field=BooleanField())
+    )
 
 
 def lock_holders(run_ids: list[Any]) -> dict[str, set[int]]:
@@ -205,20 +305,29 @@ class Claim:
     lost_at: datetime | None = None
 
 
-def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
+def claim(run_id: Any, worker: str, *, owner_dead: bool, holder: int | None = None) -> Claim | None:
     """Take the lease with one conditional UPDATE; ``None`` when the run is not ours to run
     (finished, waiting, not due, or leased by a live worker).
 
-    ``owner_dead``: this worker holds the run's liveness lock, so any "running" lease
-    belongs to a process that died."""
+    ``owner_dead``: this worker holds the run's liveness lock, so a "running" lease belongs
+    to a process that died, unless the database restarted a moment ago (its owner may not
+    have taken its lock back yet: see ``proven_dead``). ``holder``: the session that holds
+    the lock for this worker (PostgreSQL); the claim is made only while it still does, so a
+    lease is never taken on a lock lost to a restart in between."""
     runnable = Q(status=RunStatus.QUEUED) & (Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
     timer_due = Q(status=RunStatus.WAITING, wait_reason__in=TIMED_WAITS, wake_at__lte=Now())
+    expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now())
+    stale = Q(status=RunStatus.RUNNING) & expired
     if owner_dead:
-        stale = Q(status=RunStatus.RUNNING)
-    else:
-        stale = Q(status=RunStatus.RUNNING) & (
-            Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now())
-        )
+        if connection.vendor == "postgresql":
+            explained, params = _missing_lock_explained_sql()
+            unexplained = RawSQL(f"NOT {explained}", params, output_field=BooleanField())
+            stale = Q(status=RunStatus.RUNNING) & (expired | Q(unexplained))
+        else:
+            stale = Q(status=RunStatus.RUNNING)
+    ours = Q()
+    if holder is not None and connection.vendor == "postgresql":
+        ours = Q(RawSQL(_held_by(run_id, holder), [], output_field=BooleanField()))
     with transaction.atomic():
         busy = _over_concurrency(run_id)
         if busy:
@@ -229,6 +338,7 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool) -> Claim | None:
         updated = (
             Run.objects.filter(pk=run_id)
             .filter(runnable | timer_due | stale)
+            .filter(ours)
             .update(
                 lease_token=F("lease_token") + 1,
                 lease_owner=worker,
@@ -344,19 +454,26 @@ class LeaseKeeper:
     """A thread that holds the run's liveness lock and renews its lease.
 
     ``acquire()`` takes the lock (before the claim, so a claimed lease always has a live
-    lock behind it); ``start(token)`` begins heartbeats; ``lost`` is set when a heartbeat
-    finds the token changed; ``stop()`` releases the lock and closes the connection."""
+    lock behind it); ``pid`` is the session holding it; ``start(token)`` begins heartbeats;
+    ``lost`` is set when the run turns out to be someone else's; ``stop()`` releases the
+    lock and closes the connection.
+
+    A database restart ends the session and frees the lock while the run goes on: the
+    thread waits on its session's socket as well as on the clock, so it notices at once,
+    and takes the lock back (then renews) as soon as the database answers again. If another
+    process holds the run by then, the run is lost."""
 
     def __init__(self, run_id: Any, worker: str) -> None:
         self.run_id = run_id
         self.worker = worker
         self.lost = threading.Event()
+        self.pid: int | None = None
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._token: int | None = None
-        self._token_set = threading.Event()
         self._locked = False
         self._error: BaseException | None = None
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._main, name=f"lease-{run_id}", daemon=True)
 
     def acquire(self, timeout: float = 30.0) -> bool:
@@ -369,58 +486,126 @@ class LeaseKeeper:
 
     def start(self, token: int) -> None:
         self._token = token
-        self._token_set.set()
+        self._poke()
 
     def stop(self) -> None:
         self._stop.set()
-        self._token_set.set()
+        self._poke()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        if not self._thread.is_alive() and self._wake_w >= 0:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1
+
+    def _poke(self) -> None:
+        with contextlib.suppress(OSError):  # closed: the thread is gone already
+            os.write(self._wake_w, b"x")
 
     def _main(self) -> None:
         lock = LivenessLock(self.run_id)
         try:
             try:
                 self._locked = lock.acquire()
+                self.pid = lock.pid
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 self._error = exc
             finally:
                 self._ready.set()
             if not self._locked:
                 return
-            self._token_set.wait()
             interval = heartbeat_seconds()
-            while not self._stop.wait(interval):
-                if self._token is None:
+            due: float | None = None
+            while not self._stop.is_set():
+                timeout = None if due is None else max(0.0, due - time.monotonic())
+                dropped = self._wait(lock, timeout)
+                if self._stop.is_set():
                     break
-                if not self._beat(lock):
-                    self.lost.set()
-                    break
+                if due is None and self._token is not None:
+                    due = time.monotonic() + interval
+                if dropped:
+                    if not self._take_back(lock):
+                        self.lost.set()
+                        break
+                    if self._token is not None:
+                        due = time.monotonic() + interval
+                elif due is not None and time.monotonic() >= due:
+                    if not self._beat(lock):
+                        self.lost.set()
+                        break
+                    due = time.monotonic() + interval
         finally:
             try:
                 lock.release()
             finally:
                 connection.close()
 
+    def _wait(self, lock: LivenessLock, timeout: float | None) -> bool:
+        """Sleep until poked, the timeout, or the session's socket turns readable (the
+        server sent something unasked: it is ending the session). True if it ended."""
+        sock = lock.session_socket()
+        poller = select.poll()  # not select(): no limit on descriptor numbers
+        poller.register(self._wake_r, select.POLLIN)
+        if sock is not None:
+            poller.register(sock, select.POLLIN)
+        try:
+            events = poller.poll(None if timeout is None else timeout * 1000)
+        except OSError:
+            return lock.on_connection()
+        readable = {fd for fd, _ in events}
+        if self._wake_r in readable:
+            os.read(self._wake_r, 512)
+        if sock is None or sock not in readable:
+            return False
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1")
+            return False  # a notice, not an ending
+        except DatabaseError:
+            return True
+
+    def _take_back(self, lock: LivenessLock) -> bool:
+        """The session holding the lock ended: take the lock again on a new one as soon as
+        the database answers, and renew the lease at once. False if the run is someone
+        else's now."""
+        log.warning("run %s: lost the session holding its lock; taking it back", self.run_id)
+        lock.held = False
+        delay = 0.05
+        while not self._stop.is_set():
+            connection.close()
+            try:
+                if lock.acquire():
+                    self.pid = lock.pid
+                    if self._token is None:
+                        return True  # the claim checks which session holds the lock
+                    return renew(self.run_id, self._token)
+                # Held by another session: a delivery about to find the run leased, or the
+                # process that has the run now.
+                if self._token is None or not still_ours(self.run_id, self._token):
+                    return False
+            except DatabaseError:
+                pass
+            if self._stop.wait(delay):
+                break
+            delay = min(delay * 2, 0.5)
+        return True
+
     def _beat(self, lock: LivenessLock) -> bool:
         try:
-            if not lock.held and not lock.acquire():
-                return False  # after a reconnect someone else holds the run
+            if not lock.held:
+                return self._take_back(lock)
             return renew(self.run_id, self._token)
         except DatabaseError:
-            # A dropped session freed the advisory lock: until it is taken again the sweeper
-            # sees a dead worker and gives the run away, so take it back at once, not a
-            # heartbeat later. If the database is unreachable, keep trying.
+            # The session is gone with no word from the server (a partition, a reset): it
+            # freed the lock, and until it is taken again the sweeper may see a dead worker.
             log.warning("heartbeat for run %s failed; retrying", self.run_id, exc_info=True)
-            connection.close()
-            if lock.on_connection():
-                lock.held = False
-                try:
-                    if not lock.acquire():
-                        return False  # someone else holds the run now
-                except DatabaseError:
-                    connection.close()
-            return True
+            if not lock.on_connection():
+                return True  # a file lock lives as long as this process
+            return self._take_back(lock)
+
+
+def still_ours(run_id: Any, token: int) -> bool:
+    return Run.objects.filter(pk=run_id, lease_token=token).exists()
 
 
 _RENEW = """
@@ -458,12 +643,14 @@ def release(run_id: Any, token: int, **fields: Any) -> bool:
 __all__ = [
     "HELD_ADVISORY_LOCKS",
     "Claim",
-    "end_stalled_holder",
+    "end_stalled_holders",
     "lock_holders",
     "LeaseKeeper",
     "LivenessLock",
     "advisory_key",
     "claim",
     "live_owners",
+    "proven_dead",
     "release",
+    "still_ours",
 ]
