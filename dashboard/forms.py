@@ -11,6 +11,7 @@ from django import forms
 
 from dashboard.params import ID_MAX, INT_MAX
 from dashboard.submissions import new_token
+from durability import approvals
 from durability.redact import REDACTED, is_secret_key
 
 REASON_MAX = 2000
@@ -178,18 +179,31 @@ class DecisionForm(forms.Form):
 class PayloadForm(forms.Form):
     """Approve with edits: one typed field per top-level key of the payload, so a number
     stays a number. Secret values are shown as the placeholder and cannot be edited: they
-    go back unchanged. Keys are untrusted, so fields are named by position, not by key."""
+    go back unchanged. Keys are untrusted, so fields are named by position, not by key.
+
+    When the agent named its editable fields (``editable``: the approval's stored schema),
+    only those are inputs, typed from their schema; the others are ``read_only`` rows and
+    are not sent (the engine keeps their asked values). The agent's schema and check are
+    applied by the engine, whose refusal the view shows on this form."""
 
     comment = forms.CharField(max_length=REASON_MAX, required=False, widget=forms.TextInput)
 
-    def __init__(self, payload: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, payload: Any, *args: Any, editable: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.payload = payload
         self.keys: list[str] = []
+        self.read_only: list[str] = []
+        allowed = approvals.editable_fields(editable) if isinstance(payload, dict) else None
+        schemas = approvals.field_schemas(editable)
         if isinstance(payload, dict):
             for i, (key, value) in enumerate(payload.items()):
                 self.keys.append(key)
-                self.fields[f"f{i}"] = self._field_for(key, value)
+                if allowed is not None and key not in allowed:
+                    self.read_only.append(key)
+                elif key in schemas and not is_secret_key(key):
+                    self.fields[f"f{i}"] = _field_from_schema(key, schemas[key], value)
+                else:
+                    self.fields[f"f{i}"] = self._field_for(key, value)
         else:
             self.fields["whole"] = forms.CharField(
                 label="payload",
@@ -198,6 +212,11 @@ class PayloadForm(forms.Form):
             )
         # Keep the comment last.
         self.fields["comment"] = self.fields.pop("comment")
+
+    def field_name(self, key: str) -> str:
+        """The form field that edits payload key ``key`` ("" if none does)."""
+        name = f"f{self.keys.index(key)}" if key in self.keys else ""
+        return name if name in self.fields and not self.fields[name].disabled else ""
 
     @staticmethod
     def _field_for(key: str, value: Any) -> forms.Field:
@@ -246,6 +265,12 @@ class PayloadForm(forms.Form):
         for i, key in enumerate(self.keys):
             name = f"f{i}"
             original = self.payload[key]
+            if key in self.read_only:
+                continue  # not offered: the engine keeps the asked value
+            if getattr(self.fields.get(name), "from_schema", False):
+                if name in data:
+                    edited[key] = data[name]
+                continue
             if is_secret_key(key):
                 edited[key] = REDACTED  # the engine puts the original value back
                 continue
@@ -261,6 +286,56 @@ class PayloadForm(forms.Form):
             edited[key] = value
         data["edited"] = edited
         return data
+
+
+def _field_from_schema(key: str, schema: dict[str, Any], value: Any) -> forms.Field:
+    """A typed input for one editable field from its JSON Schema (what a pydantic model
+    gives: ``type``, ``enum``, bounds, ``anyOf`` with null for an optional value). The
+    bounds become input attributes for the person; the engine checks them again."""
+    options = [s for s in schema.get("anyOf", []) if isinstance(s, dict)]
+    if options:
+        schema = {**schema, **next((s for s in options if s.get("type") != "null"), {})}
+    kind = schema.get("type")
+    help_text = str(schema.get("description", ""))[:300]
+    common: dict[str, Any] = {"label": key, "initial": value, "help_text": help_text}
+    bounds = {
+        attr: schema[word]
+        for attr, word in (("min", "minimum"), ("max", "maximum"))
+        if isinstance(schema.get(word), int | float) and not isinstance(schema[word], bool)
+    }
+    field: forms.Field
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        choices = [(json.dumps(v), str(v)) for v in schema["enum"]]
+        field = _JSONChoiceField(choices=choices, **{**common, "initial": json.dumps(value)})
+    elif kind == "boolean":
+        field = forms.BooleanField(required=False, **common)
+    elif kind == "integer":
+        field = forms.IntegerField(widget=forms.NumberInput(attrs=bounds), **common)
+    elif kind == "number":
+        attrs = {"step": "any", **bounds}
+        field = forms.FloatField(widget=forms.NumberInput(attrs=attrs), **common)
+    elif kind == "string":
+        long = isinstance(value, str) and (len(value) > 80 or "\n" in value)
+        widget = forms.Textarea(attrs={"rows": 6}) if long else forms.TextInput
+        field = forms.CharField(required=False, strip=False, widget=widget, **common)
+    else:
+        field = _JSONTextField(
+            widget=forms.Textarea(attrs={"rows": 4, "spellcheck": "false", "class": "code"}),
+            **{**common, "initial": json.dumps(value, indent=2, ensure_ascii=False)},
+        )
+        field.help_text = help_text or "JSON"
+    field.from_schema = True  # type: ignore[attr-defined]
+    return field
+
+
+class _JSONChoiceField(forms.ChoiceField):
+    def clean(self, value: Any) -> Any:
+        return json.loads(super().clean(value))
+
+
+class _JSONTextField(forms.CharField):
+    def clean(self, value: Any) -> Any:
+        return parse_json(super().clean(value), self.label or "the value")
 
 
 class SendForm(forms.Form):

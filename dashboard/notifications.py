@@ -1,6 +1,6 @@
 """Notifications: a webhook (JSON, or a Slack-compatible body) and email when an approval is
-requested, is about to time out (or, without a deadline, has waited too long), a run fails,
-or an effect goes in doubt.
+requested, is about to time out (or, without a deadline, has waited too long), is approved
+with edits (what was asked and what was decided), a run fails, or an effect goes in doubt.
 
 Two passes, each safe to run from several beats at once:
 
@@ -30,6 +30,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from dashboard.models import Channel, Notification, NotificationKind, NotificationStatus
+from durability import approvals
 from durability.models import Approval, ApprovalStatus, Event, EventKind, Run
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,13 @@ log = logging.getLogger(__name__)
 # Events a scan looks back over: wide enough for a transaction that wrote an event a while
 # before committing, and for a beat that was down for a moment.
 LOOKBACK = timedelta(hours=1)
+# An approval decided with edits: the operator changed what the agent asked, which the
+# people watching should hear about. Not (yet) among NotificationKind's choices: adding it
+# there needs a migration of its own (choices only, no table change).
+APPROVAL_EDITED = "approval.edited"
 KINDS = {
     EventKind.APPROVAL_REQUESTED: NotificationKind.APPROVAL_REQUESTED,
+    EventKind.APPROVAL_DECIDED: APPROVAL_EDITED,
     EventKind.FAILED: NotificationKind.RUN_FAILED,
     EventKind.EFFECT_IN_DOUBT: NotificationKind.EFFECT_IN_DOUBT,
 }
@@ -92,12 +98,24 @@ class Message:
         }
 
 
-def _from_event(event: Event) -> Message:
+def _from_event(event: Event) -> Message | None:
     run = event.run
     data = _data(event.data)
     who = f"{run.agent}@{run.agent_version} run {run.short_id}"
     kind = KINDS[event.kind]
-    if kind == NotificationKind.APPROVAL_REQUESTED:
+    if kind == APPROVAL_EDITED:
+        changes = [c for c in data.get("changes") or [] if isinstance(c, dict)]
+        if not changes:
+            return None  # decided as asked: nothing the watchers did not already know
+        text = (
+            f"Approval {data.get('name', '?')!r} of {who} approved by {event.actor or '?'}"
+            f" with edits: {approvals.describe(changes)}"
+        )
+        detail = {
+            "approval": {"name": data.get("name"), "decided_by": event.actor},
+            "changes": changes,
+        }
+    elif kind == NotificationKind.APPROVAL_REQUESTED:
         text = f"Approval {data.get('name', '?')!r} requested by {who}"
         detail = {"approval": {"name": data.get("name"), "step": event.step}}
     elif kind == NotificationKind.RUN_FAILED:
@@ -171,7 +189,7 @@ def collect(now: Any = None) -> int:
         .select_related("run")
         .order_by("id")
     )
-    messages = [_from_event(e) for e in events]
+    messages = [m for m in map(_from_event, events) if m is not None]
     minutes = float(getattr(settings, "DURABILITY_NOTIFY_APPROVAL_OVERDUE_MINUTES", 45.0))
     # Without a deadline: a second word once it has waited too long. With one: a warning
     # shortly before the policy decides on the operators' behalf.

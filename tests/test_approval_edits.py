@@ -5,16 +5,23 @@ the decision's event, and is what the agent (and every replay of its step) recei
 
 from __future__ import annotations
 
+import io
 import json
+import re
 
 import pytest
+from django.core.management import call_command
+from django.urls import reverse
 from pydantic import BaseModel
 
+from dashboard import notifications
+from dashboard.models import Notification
 from durability import Agent, Transient, operations, registry
 from durability.approvals import EditRefused
 from durability.models import Approval, ApprovalStatus, Event, EventKind, Run, RunStatus
 from durability.testing import drive, state_of
 from examples.models import OutboxMessage
+from tests.dashboard_helpers import as_operator, dash_agents, operator  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -198,3 +205,61 @@ def test_the_demo_refunds_the_amount_the_operator_lowered_it_to():
         OutboxMessage.objects.filter(channel="refund").values_list("amount_eur", flat=True)
     )
     assert refunds == [200]
+
+
+# --- where an operator sees it: the form, inbox, audit log, timeline, CLI, notifications ----
+
+
+def test_the_form_offers_only_the_editable_field_and_refuses_with_the_agents_sentence(
+    as_operator,  # noqa: F811
+    settings,
+):
+    settings.DURABILITY_NOTIFY_EMAIL_TO = ["oncall@example.com"]
+    run = _waiting()
+    approval = Approval.objects.get(run=run)
+    edit = reverse("dashboard:approval", args=[approval.pk])
+    page = as_operator.get(edit).content.decode()
+    # amount_eur is the stored payload's first key (f0; canonical JSON sorts keys), typed
+    # from the schema; the others are shown, not offered.
+    assert re.search(r'<input type="number" name="f0" value="349.0" step="any"', page), page
+    assert 'name="f1"' not in page and 'name="f2"' not in page
+    assert "Read-only" in page and "grace@example.com" in page
+
+    before = _counts()
+    refused = as_operator.post(edit, {"f0": "500", "comment": "too much"})
+    assert refused.status_code == 422
+    assert "amount must be between 0 and 349 EUR" in refused.content.decode()
+    assert _counts() == before
+    _nothing_recorded(run)
+
+    done = as_operator.post(edit, {"f0": "200", "comment": "partial refund"})
+    assert done.status_code == 302
+    shown = "amount_eur 349.0 → 200.0"
+    inbox = as_operator.get(reverse("dashboard:approvals")).content.decode()
+    assert shown in inbox
+    audit = as_operator.get(reverse("dashboard:audit")).content.decode()
+    assert shown in audit and "refund approved with edits" in audit
+    timeline = as_operator.get(reverse("dashboard:run", args=[run.id])).content.decode()
+    assert shown in timeline
+
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), "--json", stdout=out)
+    asked = json.loads(out.getvalue())["approvals"][0]
+    assert asked["payload"]["amount_eur"] == PRICE and asked["edited_payload"]["amount_eur"] == 200
+    assert asked["changes"] == [{"field": "amount_eur", "asked": "349.0", "decided": "200.0"}]
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), stdout=out)
+    assert f"with edits: {shown}" in out.getvalue()
+
+    assert notifications.collect() >= 1
+    note = Notification.objects.get(kind=notifications.APPROVAL_EDITED)
+    assert note.subject.endswith(f"approved by olive with edits: {shown}")
+    assert json.loads(note.body)["changes"][0]["decided"] == "200.0"
+
+
+def _counts() -> tuple[int, int, int]:
+    return (
+        Event.objects.count(),
+        Approval.objects.exclude(status=ApprovalStatus.PENDING).count(),
+        Approval.objects.exclude(edited_payload="").count(),
+    )

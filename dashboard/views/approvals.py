@@ -18,7 +18,9 @@ from dashboard import runinfo, states
 from dashboard.forms import DecisionForm, PayloadForm
 from dashboard.permissions import decider_required, mark_deciders, why_not_decide
 from dashboard.views.common import explain, page, status_for
+from durability import approvals as edits
 from durability import operations
+from durability.approvals import EditRefused
 from durability.errors import DurabilityError
 from durability.models import Approval, ApprovalStatus
 
@@ -31,20 +33,25 @@ def _approval(pk: int) -> Approval:
 
 @require_GET
 def inbox(request: HttpRequest) -> HttpResponse:
+    recent = list(
+        Approval.objects.exclude(status=ApprovalStatus.PENDING)
+        .select_related("run")
+        .order_by("-decided_at", "-id")[:15]
+    )
+    for approval in recent:
+        # What the operator changed, asked -> decided: the inbox says it, not just "edited".
+        approval.changes = edits.describe(edits.stored_changes(approval))  # type: ignore[attr-defined]
     context = {
         "nav": "approvals",
         "approvals": mark_deciders(request.user, runinfo.pending_approvals()),
-        "recent": list(
-            Approval.objects.exclude(status=ApprovalStatus.PENDING)
-            .select_related("run")
-            .order_by("-decided_at", "-id")[:15]
-        ),
+        "recent": recent,
     }
     return page(request, "dashboard/approvals.html", context)
 
 
 def _card(request: HttpRequest, approval: Approval, *, error: str = "", status: int = 200):
     approval.view = runinfo.payload_view(approval.payload)  # type: ignore[attr-defined]
+    approval.changes = edits.describe(edits.stored_changes(approval))  # type: ignore[attr-defined]
     mark_deciders(request.user, [approval])
     context = {"approval": approval, "error": error}
     return page(request, "dashboard/approval_card.html", context, status=status)
@@ -104,12 +111,13 @@ def approve_with_edits(request: HttpRequest, pk: int) -> HttpResponse:
     agent instead of the one it asked with (secret values unchanged)."""
     approval = _approval(pk)
     payload = json.loads(approval.payload) if approval.payload else None
-    form = PayloadForm(payload, request.POST or None)
+    form = PayloadForm(payload, request.POST or None, editable=approval.editable)
     mark_deciders(request.user, [approval])
     context = {
         "nav": "approvals",
         "approval": approval,
         "form": form,
+        "read_only": [(k, v) for k, v in approval.view.rows if k in form.read_only],
         "why_not": "" if approval.may_decide else why_not_decide(request.user, approval),
     }
     if request.method == "GET" or approval.status != ApprovalStatus.PENDING:
@@ -125,6 +133,13 @@ def approve_with_edits(request: HttpRequest, pk: int) -> HttpResponse:
             comment=form.cleaned_data["comment"],
             payload=form.cleaned_data["edited"],
         )
+    except EditRefused as exc:
+        # The agent's own sentence, by the field it is about when the engine knows it.
+        name = form.field_name(exc.field)
+        if name:
+            form.add_error(name, exc.message)
+        context["error"] = explain(exc)
+        return page(request, "dashboard/approval_edit.html", context, status=422)
     except DurabilityError as exc:
         approval.refresh_from_db()
         context["error"] = explain(exc)
