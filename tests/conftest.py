@@ -212,3 +212,48 @@ def cluster_faults(cluster):
     cluster.faults.clear()
     yield cluster.faults
     cluster.faults.clear()
+
+
+# --- the browser tests' Chromium -------------------------------------------------------------
+
+CHROMIUM = os.environ.get("DURABILITY_CHROMIUM", "/usr/bin/chromium")
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not Path(CHROMIUM).exists():
+        # CI installs Chromium: there a missing browser is a failure, never a quiet skip.
+        if os.environ.get("DURABILITY_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"no Chromium at {CHROMIUM}, and DURABILITY_REQUIRE_BROWSER=1")
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    # Playwright's sync API keeps an event loop running in this thread, which Django takes
+    # for an async context and refuses database calls in. The tests use the ORM
+    # synchronously, between Playwright calls, never from the loop.
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        yield from _chromium()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+
+
+def _chromium():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield chromium
+        chromium.close()

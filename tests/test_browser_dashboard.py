@@ -1,7 +1,8 @@
 """The dashboard end to end in headless Chromium: the app served by gunicorn on 127.0.0.1,
 real Celery workers executing the demo agents, a real sign-in.
 
-One Chromium for the session; every test fails on a console error, a page error, a dialog or
+One Chromium for the session (the ``browser`` fixture, in conftest.py, shared by every
+browser test module); every test fails on a console error, a page error, a dialog or
 a CSP violation. Screenshots of the main pages go to the test artifacts folder for reviewers
 (and to docs/screenshots/, for the README, with DURABILITY_UPDATE_SCREENSHOTS=1)."""
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from durability import operations
 from durability.models import Approval, Checkpoint, Effect, Run, RunStatus
@@ -29,7 +30,6 @@ from tests.procs import ARTIFACTS, ROOT, Proc, free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = os.environ.get("DURABILITY_CHROMIUM", "/usr/bin/chromium")
 SHOTS = ROOT / "docs" / "screenshots"
 TIMEOUT_MS = 30_000
 
@@ -95,44 +95,6 @@ def app(cluster, tmp_path_factory):
     server = WebServer(env, free_port()).start()
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="session")
-def browser():
-    if not Path(CHROMIUM).exists():
-        # CI installs Chromium: there a missing browser is a failure, never a quiet skip.
-        if os.environ.get("DURABILITY_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"no Chromium at {CHROMIUM}, and DURABILITY_REQUIRE_BROWSER=1")
-        pytest.skip(f"no Chromium at {CHROMIUM}")
-    # Playwright's sync API keeps an event loop running in this thread, which Django takes
-    # for an async context and refuses database calls in. The tests use the ORM
-    # synchronously, between Playwright calls, never from the loop.
-    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        yield from _chromium()
-    finally:
-        if previous is None:
-            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-        else:
-            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
-
-
-def _chromium():
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture
