@@ -380,3 +380,33 @@ def test_a_statement_wrapper_added_and_removed_later_leaves_the_gate_in_place():
             cur.execute("SELECT %s", [f"y {CANARY}"])
             assert cur.fetchone() == (f"y {MARK}",)
     assert seen == [[f"x {MARK}"]]
+
+
+def test_spans_of_the_sdk_pass_the_gate_in_front_of_its_processors():
+    """Spans the engine does not make itself (instrumentations', an agent's own) are scrubbed
+    by the processor ``config.telemetry`` puts in front of the exporter's."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Status, StatusCode
+
+    from durability import redact, spans
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(spans.Redacting(SimpleSpanProcessor(exporter)))
+    tracer = provider.get_tracer("agent")
+    with redact.scope({CANARY}), tracer.start_as_current_span(f"call {CANARY}") as span:
+        span.set_attribute("prompt", f"use {CANARY}")
+        span.add_event("sent", {"header": f"Bearer {CANARY}"})
+        span.record_exception(RuntimeError(f"refused {CANARY}"))
+        span.set_status(Status(StatusCode.ERROR, f"refused {CANARY}"))
+    with tracer.start_as_current_span(f"outside {CANARY}"):
+        pass  # no scope: nothing to hide, nothing changed
+    inside, outside = exporter.get_finished_spans()
+    provider.shutdown()
+    assert inside.name == f"call {MARK}" and inside.attributes["prompt"] == f"use {MARK}"
+    assert inside.status.description == f"refused {MARK}"
+    text = repr([(e.name, dict(e.attributes)) for e in inside.events])
+    assert CANARY not in text and f"Bearer {MARK}" in text and f"refused {MARK}" in text
+    assert outside.name == f"outside {CANARY}"
