@@ -14,16 +14,17 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from durability import approvals, canonical, dispatch, journal, telemetry
+from durability import rollbacks as rollbacks
 from durability.errors import (
     EffectFailed,
     LeaseLost,
@@ -34,15 +35,18 @@ from durability.errors import (
 )
 from durability.faults import fault
 from durability.models import (
+    AbandonedEffect,
     Approval,
     ApprovalStatus,
     CallKind,
+    Checkpoint,
     Effect,
     EffectStatus,
     Event,
     EventKind,
     JournalEntry,
     Message,
+    Repeat,
     Run,
     WaitReason,
 )
@@ -50,6 +54,8 @@ from durability.redact import MIN_SECRET_CHARS, accepted_hashes, keyed_hash, red
 
 NOT_DONE = object()
 """What a ``reconcile`` function returns when it knows the effect did not happen."""
+
+_PERFORM = object()
 
 
 def outcome_recorded[T](write: Callable[[], T]) -> T:
@@ -447,6 +453,7 @@ class Context:
         *args: Any,
         idempotent: bool = False,
         reconcile: Callable[[str], Any] | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Perform a side effect at most once per identity.
@@ -456,9 +463,18 @@ class Context:
         If the process died in between, the outcome is unknown: an ``idempotent`` effect is
         simply repeated with the same key; otherwise ``reconcile(idempotency_key)`` is asked
         (return the result, ``NOT_DONE``, or ``None`` for "cannot tell"); failing that the
-        run waits for an operator to say what happened ("in doubt")."""
+        run waits for an operator to say what happened ("in doubt").
+
+        ``compensate``: how the effect is undone, offered when an operator rolls the run back
+        past it. A function at the top level of one of the agent's own modules (it is stored
+        by name), called as ``compensate(result, *args, idempotency_key=..., **kwargs)``
+        with the effect's recorded result and arguments; it runs as an effect of its own.
+
+        After a rollback, an effect with the key of one done on the abandoned branch is not
+        performed again without a second decision (``_after_rollback``)."""
         self._settled()
         self._durable_point()
+        undo = rollbacks.compensation_name(compensate) if compensate is not None else ""
         occ = self._next("effect", key)
         fname = function_name(fn)
         ahash = ArgsHash(args, kwargs)
@@ -489,11 +505,192 @@ class Context:
                 if known:
                     return value
             return self._perform(rec, fn, args, kwargs)
+        if not key.startswith(rollbacks.COMPENSATION_KEY):
+            outcome = self._after_rollback(key, occ, fname, ahash, args, kwargs)
+            if outcome is not _PERFORM:
+                return outcome
         rec = self._new_effect(
-            key, occ, fname, ahash, args, kwargs, EffectStatus.PENDING, idempotent=idempotent
+            key,
+            occ,
+            fname,
+            ahash,
+            args,
+            kwargs,
+            EffectStatus.PENDING,
+            idempotent=idempotent,
+            compensate=undo,
         )
         fault("after_intent", run=self.run_id, step=self.step, key=key, seq=self.seq)
         return self._perform(rec, fn, args, kwargs)
+
+    # --- after a rollback -----------------------------------------------------------------
+
+    def _after_rollback(
+        self, key: str, occ: int, fname: str, ahash: ArgsHash, args: tuple, kwargs: dict
+    ) -> Any:
+        """A new effect: if a rollback abandoned one with this key, do what it said (reuse the
+        recorded outcome, perform again) or ask an operator, with both argument sets side by
+        side. ``_PERFORM``: go on and perform it. A rejection raises ``EffectFailed`` into the
+        step (uncaught, the run fails with it): the operator said not to do it again."""
+        match = self._abandoned_match(key, occ)
+        if match is None or match.choice in (Repeat.AGAIN, Repeat.COMPENSATE):
+            return _PERFORM
+        old = match.effect
+        same = old.function == fname and ahash.matches(old.args_hash)
+        if match.choice == Repeat.REUSE and same and old.status == EffectStatus.DONE:
+            return self._reuse(old, key, occ, fname, ahash, args, kwargs)
+        now_args, _ = redact(_jsonable([list(args), kwargs]), self.secrets)
+        then_args = canonical.loads(old.args) if old.args else None
+        before = rollbacks.describe(key, then_args)
+        after = rollbacks.describe(key, now_args)
+        done = "was done" if old.status == EffectStatus.DONE else "may have been done"
+        question = f"{before} {done} on the abandoned branch; perform {after}?"
+        if match.choice == Repeat.REUSE:
+            question += " (The rollback said to reuse its outcome, but the arguments differ.)"
+        payload = {
+            "question": question,
+            "done on the abandoned branch": {
+                "arguments": then_args,
+                "result": canonical.loads(old.result) if old.result else None,
+                "idempotency key": old.idempotency_key,
+            },
+            "to perform now": {"arguments": now_args},
+            "if approved": "it is performed again, with a new idempotency key",
+            "if rejected": "it is not performed; the step gets an error (the run fails"
+            " unless the agent handles it)",
+        }
+        decision = self.approval(rollbacks.REPEAT_APPROVAL + key, payload)
+        if decision:
+            return _PERFORM
+        raise EffectFailed(
+            f"effect {key!r} was not performed again: {decision.by or 'an operator'} rejected"
+            f" repeating what the abandoned branch did ({before})"
+            f"{': ' + decision.comment if decision.comment else ''}",
+            run_id=self.run_id,
+        )
+
+    def _abandoned_match(self, key: str, occ: int) -> AbandonedEffect | None:
+        """The abandoned effect this new one stands for: the one already matched to this
+        identity (a replay), or the first unmatched one with this key whose rollback is on the
+        run's current branch, matched now under the lease."""
+        base = self._base_id
+        rows = list(
+            AbandonedEffect.objects.filter(run_id=self.run_id, key=key)
+            .filter(Q(settled_base=None) | Q(settled_base_id=base, settled_occurrence=occ))
+            .select_related("effect")
+            .order_by("id")
+        )
+        if not rows:
+            return None
+        for row in rows:
+            if row.settled_base_id == base:
+                return row
+        parents = dict(Checkpoint.objects.filter(run_id=self.run_id).values_list("id", "parent_id"))
+        branch, cp = set(), base
+        while cp is not None and cp not in branch:
+            branch.add(cp)
+            cp = parents.get(cp)
+        for row in rows:
+            if row.rollback_id not in branch:
+                continue
+            with transaction.atomic():
+                self._fence()
+                taken = AbandonedEffect.objects.filter(pk=row.pk, settled_base=None).update(
+                    settled_base_id=base, settled_occurrence=occ
+                )
+            if taken:
+                return row
+        return None
+
+    def _reuse(
+        self,
+        old: Effect,
+        key: str,
+        occ: int,
+        fname: str,
+        ahash: ArgsHash,
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        """Record the abandoned effect's outcome as this one's, performing nothing."""
+        args_json, _ = redact(_jsonable([list(args), kwargs]), self.secrets)
+        rec = Effect(
+            run_id=self.run_id,
+            base_id=self._base_id,
+            key=key,
+            occurrence=occ,
+            step=self.step,
+            function=fname,
+            args=canonical.dumps(args_json).decode(),
+            args_hash=ahash.value,
+            idempotency_key=f"{self.run_id}:{self._base_id}:{key}:{occ}",
+            status=EffectStatus.DONE,
+            result=old.result,
+            completed_at=timezone.now(),
+            compensate=old.compensate,
+            resolution_note=f"reused the recorded outcome of effect {old.pk} (abandoned branch)",
+        )
+        with transaction.atomic():
+            self._fence()
+            rec.save(force_insert=True)
+            Event.objects.create(
+                run_id=self.run_id,
+                kind=EventKind.EFFECT_REUSED,
+                seq=self.seq,
+                step=self.step,
+                worker=self.worker,
+                data=canonical.dumps(
+                    {
+                        "effect": rec.pk,
+                        "from": old.pk,
+                        "idempotency_key": old.idempotency_key,
+                        "key": key,
+                    }
+                ).decode(),
+            )
+        self._records.effects[(key, occ)] = rec
+        telemetry.note("effect.reused", key=key, source=old.pk)
+        return canonical.loads(old.result) if old.result else None
+
+    def run_compensations(self) -> None:
+        """Before the first step after a rollback: the compensations the operator ticked,
+        each an effect of its own (journaled under this base, its own idempotency key, in
+        doubt if the process dies mid-call), in the order the undone effects were done."""
+        for row in self._records.compensations:
+            old = row.effect
+            try:
+                fn = rollbacks.compensation(self.agent, old.compensate)
+            except LookupError as exc:
+                raise EffectFailed(
+                    f"effect {old.key!r} cannot be compensated: {exc}", run_id=self.run_id
+                ) from None
+            args, kwargs = canonical.loads(old.args) if old.args else ([], {})
+            result = canonical.loads(old.result) if old.result else None
+            key = f"{rollbacks.COMPENSATION_KEY}{old.pk}"
+            value = self.effect(key, fn, result, *args, **kwargs)
+            done = self._records.effects[(key, self._occurrences[("effect", key)] - 1)]
+            marker = f'"compensation":{done.pk},'
+            if not Event.objects.filter(
+                run_id=self.run_id, kind=EventKind.COMPENSATED, data__contains=marker
+            ).exists():
+                Event.objects.create(
+                    run_id=self.run_id,
+                    kind=EventKind.COMPENSATED,
+                    seq=self.seq,
+                    step=self.step,
+                    worker=self.worker,
+                    reason=f"{rollbacks.describe(old.key, [args, kwargs])} undone",
+                    data=canonical.dumps(
+                        {
+                            "compensation": done.pk,
+                            "effect": old.pk,
+                            "function": old.compensate,
+                            "idempotency_key": done.idempotency_key,
+                            "key": old.key,
+                            "result": value,
+                        }
+                    ).decode(),
+                )
 
     def _would_run(
         self, key: str, occ: int, fname: str, ahash: ArgsHash, args: tuple, kwargs: dict
@@ -515,6 +712,7 @@ class Context:
         status: str,
         *,
         idempotent: bool = False,
+        compensate: str = "",
     ) -> Effect:
         """Record an effect (its intent, or what a what-if fork would have run), fenced: a
         worker that lost its lease records nothing."""
@@ -531,6 +729,7 @@ class Context:
             idempotency_key=f"{self.run_id}:{self._base_id}:{key}:{occ}",
             idempotent=idempotent,
             status=status,
+            compensate=compensate,
         )
         with transaction.atomic():
             self._fence()
@@ -925,6 +1124,8 @@ class Records:
     approvals: dict[tuple[str, int], Approval]
     messages: dict[tuple[str, int], Message]
     children: dict[tuple[str, int], Run]
+    # When the base is a rollback's new head: the compensations the operator ticked.
+    compensations: list[AbandonedEffect] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> Records:
@@ -953,6 +1154,11 @@ class Records:
                     "id", "spawn_key", "spawn_occurrence"
                 )
             },
+            compensations=list(
+                AbandonedEffect.objects.filter(rollback_id=base_id, choice=Repeat.COMPENSATE)
+                .select_related("effect")
+                .order_by("effect_id")
+            ),
         )
 
 

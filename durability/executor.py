@@ -656,6 +656,9 @@ class Execution:
             try:
                 try:
                     with step_deadline(self.agent.step_timeout, step):
+                        # After a rollback: the compensations its operator ticked, before
+                        # the run goes on (nothing to do otherwise).
+                        ctx.run_compensations()
                         returned = fn(self.live, ctx)
                 finally:
                     self.replayed.update(ctx.replayed_calls)

@@ -384,6 +384,10 @@ class Effect(models.Model):
     duplicates_prevented = models.IntegerField(default=0)
     resolved_by = models.CharField(max_length=150, blank=True, default="")
     resolution_note = models.TextField(blank=True, default="")
+    # How the agent said the effect is undone (``ctx.effect(..., compensate=fn)``): the
+    # function's qualified name, imported at compensation time only from the agent's own
+    # modules. Empty: it cannot be undone.
+    compensate = models.CharField(max_length=300, blank=True, default="", db_default="")
     created_at = models.DateTimeField(auto_now_add=True)
     completed_at = models.DateTimeField(null=True, blank=True)
 
@@ -393,6 +397,45 @@ class Effect(models.Model):
             models.UniqueConstraint(fields=["base", "key", "occurrence"], name="effect_identity"),
         ]
         indexes = [models.Index(fields=["run", "id"], name="effect_run")]
+
+
+class Repeat(models.TextChoices):
+    """What a rollback said to do when the new branch reaches an effect with the key of one
+    done on the branch it abandoned."""
+
+    ASK = "ask", "ask again when the run gets there"
+    REUSE = "reuse", "reuse the recorded outcome (same arguments only)"
+    AGAIN = "again", "perform it again"
+    COMPENSATE = "compensate", "compensate it now, then perform it again when reached"
+
+
+class AbandonedEffect(models.Model):
+    """An effect done on a branch a rollback abandoned, with the operator's decision for the
+    new branch. The n-th effect with a key that the new branch reaches is matched to the n-th
+    abandoned one with that key (``settled_*`` is that effect's identity, so a replay of the
+    step finds the same match); until a decision says otherwise the run asks before it
+    performs it again."""
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    # The head the rollback made: its descendants are the new branch.
+    rollback = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+")
+    effect = models.ForeignKey(Effect, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=200)
+    choice = models.CharField(max_length=16, choices=Repeat.choices, default=Repeat.ASK)
+    decided_by = models.CharField(max_length=150, blank=True, default="")
+    settled_base = models.ForeignKey(
+        Checkpoint, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    settled_occurrence = models.IntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(fields=["rollback", "effect"], name="abandoned_effect_once"),
+        ]
+        indexes = [models.Index(fields=["run", "key"], name="abandoned_effect_run_key")]
 
 
 class ApprovalStatus(models.TextChoices):
@@ -524,6 +567,8 @@ class EventKind(models.TextChoices):
     ALARM = "alarm", "alarm"
     HOLD = "hold", "legal hold"
     COMPACTED = "compacted", "compacted"
+    COMPENSATED = "compensated", "effect compensated"
+    EFFECT_REUSED = "effect_reused", "recorded outcome reused"
 
 
 class WorkerPresence(models.Model):

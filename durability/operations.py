@@ -17,7 +17,16 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 
-from durability import approvals, blobs, canonical, checkpoints, dispatch, leases, telemetry
+from durability import (
+    approvals,
+    blobs,
+    canonical,
+    checkpoints,
+    dispatch,
+    leases,
+    rollbacks,
+    telemetry,
+)
 from durability.agents import registry
 from durability.errors import (
     AlreadyDecided,
@@ -34,6 +43,7 @@ from durability.errors import (
 from durability.integrity import Report, verify_run
 from durability.models import (
     FINISHED,
+    AbandonedEffect,
     Approval,
     ApprovalStatus,
     Checkpoint,
@@ -45,11 +55,13 @@ from durability.models import (
     EventKind,
     Message,
     Mutation,
+    Repeat,
     Run,
     RunStatus,
     WaitReason,
 )
 from durability.redact import redact, restore_placeholders
+from durability.rollbacks import EffectDone
 
 _HEX = re.compile(r"^[0-9a-f-]{4,36}$")
 
@@ -412,6 +424,16 @@ def _last_change(run: Run) -> str:
     return f"; last: {event.get_kind_display()}{who} at {event.created_at:%H:%M:%S} UTC"
 
 
+# Waits that end by themselves or by someone's decision, never by a resume: what ends each.
+WAKES_BY_ITSELF = {
+    WaitReason.APPROVAL: "an approval: it continues once someone decides it in the inbox",
+    WaitReason.MESSAGE: "a message: it continues when the message arrives (send it)",
+    WaitReason.TIMER: "a timer: it continues by itself when the time is due",
+    WaitReason.RATE_LIMIT: "a shared rate limit: it continues by itself when a slot frees",
+    WaitReason.CHILDREN: "its child runs: it continues by itself when they have finished",
+}
+
+
 def resume(
     ref: Any,
     *,
@@ -434,6 +456,13 @@ def resume(
             )
         if run.status in (RunStatus.QUEUED, RunStatus.RUNNING):
             raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
+        if run.status == RunStatus.WAITING and run.wait_reason in WAKES_BY_ITSELF:
+            raise InvalidTransition(
+                f"the run waits for {WAKES_BY_ITSELF[run.wait_reason]}"
+                f"{' (' + run.wait_detail + ')' if run.wait_detail else ''}; resuming it would"
+                " only run the step to the same wait again",
+                run_id=run.id,
+            )
         _check_version(run, expected_version)
         head = _checkpoint_of(run, run.head_seq)
         checkpoints.verified_state(head)  # refuse to queue what cannot be rehydrated
@@ -517,28 +546,41 @@ def _cancel_one(ref: Any, *, by: str, reason: str, expected_version: int | None 
 
 
 @dataclass
-class EffectDone:
-    key: str
-    idempotency_key: str
-    step: str
-    seq: int
-    status: str
-
-
-@dataclass
 class RollbackPlan:
     run: Run
     target: Checkpoint
+    # Effects done (or perhaps done) on the branch being left: not undone unless compensated.
     done_not_undone: list[EffectDone] = field(default_factory=list)
     approvals_superseded: int = 0
     will_run_from: str = ""
     # Checkpoints of the branch being left (their operations are not replayed again).
     abandoned: set[int] = field(default_factory=set)
+    # Unfinished children the abandoned branch started: (id, agent, status).
+    children: list[tuple[str, str, str]] = field(default_factory=list)
+    messages_back: int = 0
+
+    @property
+    def preview(self) -> rollbacks.Preview:
+        return rollbacks.Preview(
+            target_seq=self.target.seq,
+            target_step=self.target.step,
+            will_run_from=self.will_run_from,
+            effects=self.done_not_undone,
+            children=self.children,
+            messages_back=self.messages_back,
+            approvals_superseded=self.approvals_superseded,
+        )
+
+    def sentences(self, decisions: dict[int, str] | None = None, *, hold: bool = True) -> list[str]:
+        """The preview in plain words (the same for the dashboard and the CLI)."""
+        return rollbacks.sentences(self.preview, decisions, hold=hold)
 
 
 @dataclass
 class RollbackResult(RollbackPlan):
     checkpoint: Checkpoint | None = None
+    held: bool = False
+    decisions: dict[int, str] = field(default_factory=dict)
 
 
 def _ancestors(cp_id: int | None, parents: dict[int, int | None]) -> list[int]:
@@ -553,18 +595,16 @@ def plan_rollback(
     ref: Any, to_seq: int | None = None, *, checkpoint_id: int | None = None
 ) -> RollbackPlan:
     """What a rollback would do, for a confirmation: the effects already done after the
-    target (they are not undone) and where the run would continue."""
+    target (each with whether it can be compensated), the children it cancels, the messages
+    it puts back and where the run would continue."""
     run = get_run(ref)
     target = _checkpoint_of(run, to_seq, checkpoint_id)
     if target.seq == run.head_seq:
         raise InvalidTransition(f"checkpoint #{target.seq} is already the head", run_id=run.id)
-    parents = dict(Checkpoint.objects.filter(run=run).values_list("id", "parent_id"))
-    head_id = next(
-        i
-        for i, p in Checkpoint.objects.filter(run=run, seq=run.head_seq).values_list(
-            "id", "parent_id"
-        )
-    )
+    rows = list(Checkpoint.objects.filter(run=run).values_list("id", "parent_id", "seq"))
+    parents = {i: p for i, p, _ in rows}
+    seq_of = {i: s for i, _, s in rows}
+    head_id = next(i for i, _, s in rows if s == run.head_seq)
     on_branch = _ancestors(head_id, parents)
     if target.id not in on_branch and Message.objects.filter(run=run).exists():
         # A message keeps only its latest delivery: which of them the target's own branch
@@ -576,16 +616,38 @@ def plan_rollback(
             run_id=run.id,
         )
     abandoned = set(on_branch) - set(_ancestors(target.parent_id, parents))
-    seq_of = dict(Checkpoint.objects.filter(run=run).values_list("id", "seq"))
-    effects = [
-        EffectDone(e.key, e.idempotency_key, e.step, seq_of.get(e.base_id, -1), e.status)
-        for e in Effect.objects.filter(run=run, base_id__in=abandoned)
-        .exclude(status__in=(EffectStatus.FAILED, EffectStatus.RETRY))
+    found = list(
+        Effect.objects.filter(run=run, base_id__in=abandoned)
+        .exclude(status__in=(EffectStatus.FAILED, EffectStatus.RETRY, EffectStatus.WOULD_RUN))
         .order_by("id")
+    )
+    compensated = _compensated(run, [e.pk for e in found if e.compensate])
+    effects = [
+        EffectDone(
+            e.key,
+            e.idempotency_key,
+            e.step,
+            seq_of.get(e.base_id, -1),
+            e.status,
+            id=e.pk,
+            function=e.function,
+            args=canonical.loads(e.args) if e.args else None,
+            result=canonical.loads(e.result) if e.result else None,
+            compensate=e.compensate,
+            compensated=e.pk in compensated,
+        )
+        for e in found
     ]
     # Every pending approval, the target's own included: the new head is a checkpoint of its
     # own, so whatever the new branch asks, it asks anew under that identity.
     pending = Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).count()
+    children = [
+        (str(c.id), c.agent, c.status)
+        for c in Run.objects.filter(parent_run=run, spawn_base_id__in=abandoned)
+        .exclude(status__in=FINISHED)
+        .only("id", "agent", "status")
+        .order_by("created_at")
+    ]
     return RollbackPlan(
         run=run,
         target=target,
@@ -593,7 +655,23 @@ def plan_rollback(
         approvals_superseded=pending,
         will_run_from=target.next_step,
         abandoned=abandoned,
+        children=children,
+        messages_back=Message.objects.filter(run=run, consumed_base_id__in=abandoned).count(),
     )
+
+
+def _compensated(run: Run, effect_ids: list[int]) -> set[int]:
+    """Of these effects, those a compensation was already started for (by an earlier
+    rollback): a second one would undo twice."""
+    if not effect_ids:
+        return set()
+    keys = {f"{rollbacks.COMPENSATION_KEY}{i}": i for i in effect_ids}
+    started = (
+        Effect.objects.filter(run=run, key__in=keys)
+        .exclude(status=EffectStatus.FAILED)
+        .values_list("key", flat=True)
+    )
+    return {keys[k] for k in started}
 
 
 def rollback(
@@ -603,12 +681,23 @@ def rollback(
     checkpoint_id: int | None = None,
     by: str = "",
     reason: str = "",
+    and_continue: bool = False,
+    decisions: dict[int, str] | None = None,
     expected_head: int | None = None,
     expected_status: str | None = None,
     expected_version: int | None = None,
 ) -> RollbackResult:
-    """Make a new head whose state equals checkpoint ``to_seq`` and queue the run from
-    there. History is kept; effects done after the target are listed, not undone.
+    """Make a new head whose state equals checkpoint ``to_seq``. History is kept; effects
+    done after the target are not undone and never performed again without a second
+    decision (DESIGN: "A rollback never repays on its own").
+
+    The run is left on hold (waiting, ``WaitReason.HOLD``) until an operator continues it
+    (``resume``), unless ``and_continue``. ``decisions``: effect id -> what to do when the
+    new branch reaches an effect with its key: ``ask`` (the default: the run stops and asks
+    in the inbox), ``reuse`` (return the recorded outcome if the arguments are the same; ask
+    otherwise), ``again`` (perform it again without asking) or ``compensate`` (run the
+    compensation the effect declared before the run continues; then perform it again
+    without asking when reached).
 
     ``expected_head``, ``expected_status`` and ``expected_version``: the head, status and
     version the operator's confirmation was made for; if any changed since (another operator
@@ -624,6 +713,10 @@ def rollback(
             )
         _check_version(run, expected_version)
         plan = plan_rollback(run, to_seq, checkpoint_id=checkpoint_id)
+        try:
+            chosen = rollbacks.check_decisions(plan.done_not_undone, decisions or {})
+        except ValueError as exc:
+            raise InvalidInput(str(exc), run_id=run.id) from None
         target = plan.target
         checkpoints.verified_state(target)
         seq = run.head_seq + 1
@@ -660,6 +753,23 @@ def rollback(
         Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).update(
             status=ApprovalStatus.SUPERSEDED, comment="rolled back"
         )
+        # Matches an earlier rollback's decisions made on the branch now left are undone: the
+        # new branch meets those effects afresh (they are asked about again).
+        AbandonedEffect.objects.filter(run=run, settled_base_id__in=plan.abandoned).update(
+            settled_base=None, settled_occurrence=None
+        )
+        AbandonedEffect.objects.bulk_create(
+            AbandonedEffect(
+                run=run,
+                rollback=cp,
+                effect_id=e.id,
+                key=e.key,
+                choice=chosen.get(e.id, Repeat.ASK),
+                decided_by=by,
+            )
+            for e in plan.done_not_undone
+            if not e.key.startswith(rollbacks.COMPENSATION_KEY)
+        )
         # Unfinished children the abandoned branch spawned are cancelled; the new branch
         # spawns its own when it gets there.
         for child in Run.objects.filter(parent_run=run, spawn_base_id__in=plan.abandoned).exclude(
@@ -674,15 +784,21 @@ def rollback(
             .update(consumed_base=None, consumed_occurrence=None, consumed_at=None)
         )
         finished = not target.next_step
+        held = not finished and not and_continue
+        if finished:
+            status, wait = RunStatus.SUCCEEDED, WaitReason.NONE
+        else:
+            status = RunStatus.WAITING if held else RunStatus.QUEUED
+            wait = WaitReason.HOLD if held else WaitReason.NONE
         Run.objects.filter(pk=run.pk).update(
             head_seq=seq,
             step=target.next_step,
-            status=RunStatus.SUCCEEDED if finished else RunStatus.QUEUED,
+            status=status,
             lease_token=F("lease_token") + 1,
             lease_owner="",
             lease_expires_at=None,
-            wait_reason=WaitReason.NONE,
-            wait_detail="",
+            wait_reason=wait,
+            wait_detail=(f"rolled back to #{target.seq} by {by or 'an operator'}" if held else ""),
             wake_at=None,
             error="",
             error_code="",
@@ -702,24 +818,41 @@ def rollback(
             data={
                 "to": target.seq,
                 "new_head": seq,
-                "done_not_undone": [e.__dict__ for e in plan.done_not_undone],
+                "held": held,
+                "done_not_undone": [
+                    {
+                        "key": e.key,
+                        "idempotency_key": e.idempotency_key,
+                        "step": e.step,
+                        "seq": e.seq,
+                        "status": e.status,
+                        "id": e.id,
+                        "decision": chosen.get(e.id, "ask"),
+                    }
+                    for e in plan.done_not_undone
+                ],
                 "messages_returned": returned,
             },
         )
-        if not finished:
-            dispatch.ring(run.id)
-        else:
+        if finished:
             # A child rolled back to its end has finished: its parent may go on. After the
             # commit, in a transaction of its own: locking the parent while holding the
             # child would deadlock with an operator acting on the parent (parent, then child).
             transaction.on_commit(lambda: wake_parent(Run.objects.get(pk=run.pk)))
+        elif not held:
+            dispatch.ring(run.id)
     return RollbackResult(
         run=run,
         target=target,
         done_not_undone=plan.done_not_undone,
         approvals_superseded=plan.approvals_superseded,
         will_run_from=target.next_step,
+        abandoned=plan.abandoned,
+        children=plan.children,
+        messages_back=plan.messages_back,
         checkpoint=cp,
+        held=held,
+        decisions=chosen,
     )
 
 

@@ -213,3 +213,43 @@ def explode(state, ctx):
     key = ctx.secret("TEST_CANARY")
     state["after"] = f"approved with {key}"
     raise RuntimeError(f"the final call failed with {key}")
+
+
+# A refund and an email after it, for rollbacks: the refund declares how it is undone (a
+# reversal), the email cannot be. The amount is looked up (a journaled call) from the file the
+# input names, so a branch after a rollback can see another amount than the one it abandoned.
+def refund_amount(path: str) -> float:
+    if not path:
+        return 349.0
+    with open(path) as f:
+        return float(f.read().strip())
+
+
+def refund_effect(order: str, amount: float, *, idempotency_key: str) -> dict:
+    return post_effect(f"refund {order} {amount:g}", idempotency_key=idempotency_key)
+
+
+def reverse_refund(receipt: dict, order: str, amount: float, *, idempotency_key: str) -> dict:
+    return post_effect(f"reverse {order} {amount:g}", idempotency_key=idempotency_key)
+
+
+refunds = Agent("test-refund", version="1", initial_state=lambda inp: {"refunds": []})
+
+
+@refunds.step(start=True)
+def look(state, ctx):
+    state["amount"] = ctx.call("amount", refund_amount, (ctx.input or {}).get("price_file", ""))
+    return "pay"
+
+
+@refunds.step
+def pay(state, ctx):
+    receipt = ctx.effect("refund", refund_effect, "A1", state["amount"], compensate=reverse_refund)
+    state["refunds"].append(receipt)
+    return "mail"
+
+
+@refunds.step
+def mail(state, ctx):
+    ctx.effect("email", post_effect, f"email about {state['amount']:g} EUR")
+    return END

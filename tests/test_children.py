@@ -131,7 +131,7 @@ def test_rollback_cancels_unfinished_children_of_the_abandoned_branch():
     drive_tree(run.id)
     first_child = Run.objects.get(parent_run=run)
     assert first_child.wait_reason == "approval"
-    operations.rollback(run.id, 0, by="ops", reason="start over")
+    operations.rollback(run.id, 0, by="ops", reason="start over", and_continue=True)
     assert Run.objects.get(pk=first_child.pk).status == RunStatus.CANCELLED
     drive_tree(run.id)
     second_child = Run.objects.filter(parent_run=run).exclude(pk=first_child.pk).get()

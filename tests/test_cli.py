@@ -88,8 +88,8 @@ def test_rollback_fork_cancel_resume(workers, llm, tmp_path):
     dry = cli(workers, "rollback", str(run.id), "--to", "2", "--dry-run")
     assert dry.returncode == 0 and "would roll back" in dry.stdout
     assert Checkpoint.objects.filter(run=run).count() == 5
-    rolled = cli(workers, "--reason", "redo", "rollback", str(run.id), "--to", "2")
-    assert rolled.returncode == 0 and "continues at step iterate" in rolled.stdout
+    rolled = cli(workers, "--reason", "redo", "rollback", str(run.id), "--to", "2", "--continue")
+    assert rolled.returncode == 0 and "continues at once with step iterate" in rolled.stdout
     wait_until(lambda: Run.objects.get(pk=run.pk).status == RunStatus.SUCCEEDED, timeout=30)
     assert Run.objects.get(pk=run.pk).head_seq == 7  # 5 + the rollback + 2 steps again
 

@@ -72,7 +72,7 @@ def test_the_state_hash_follows_the_patches_from_the_starting_state():
 def test_a_rollback_keeps_its_targets_state_hash_and_verifies():
     run = operations.start("hash-grow", {"n": 4})
     drive(run.id)
-    operations.rollback(run.id, 2, by="op", reason="try again")
+    operations.rollback(run.id, 2, by="op", reason="try again", and_continue=True)
     cps = hashes(run)
     assert cps[5].state_hash == cps[2].state_hash and ops_of(cps[5]) == b"[]"
     drive(run.id)

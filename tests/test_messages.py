@@ -96,7 +96,7 @@ def test_rollback_puts_consumed_messages_back_in_order():
         operations.send(run.id, "user", text)
     drive(run.id)
     assert state_of(run.id)["turns"] == ["a", "b", "c"]
-    result = operations.rollback(run.id, 1, by="ops")
+    result = operations.rollback(run.id, 1, by="ops", and_continue=True)
     assert Message.objects.filter(run=run, consumed_base=None).count() == 2
     assert result.run.status == RunStatus.QUEUED
     drive(run.id)
@@ -107,7 +107,7 @@ def test_rollback_off_the_current_branch_is_refused_when_messages_could_repeat()
     run = operations.start("x-chat", {})
     operations.send(run.id, "user", "m1")
     drive(run.id)  # #1 holds m1, waits for the next message
-    operations.rollback(run.id, 0, by="ops")  # m1 goes back to the inbox
+    operations.rollback(run.id, 0, by="ops", and_continue=True)  # m1 back to the inbox
     drive(run.id)  # consumed again on the new branch
     assert state_of(run.id)["turns"] == ["m1"]
     head = Run.objects.get(pk=run.id).head_seq

@@ -141,8 +141,13 @@ def test_rollback_makes_a_new_head_keeps_history_and_lists_effects_done():
     event = Event.objects.get(run=run, kind=EventKind.ROLLBACK)
     assert (event.actor, event.reason) == ("bob", "bad payment")
     assert "pay" in event.data
-    # The new branch runs the second step again: a new identity, a new idempotency key.
+    # On hold until continued; then the new branch reaches "pay" again and asks first.
+    assert drive(run.id).wait_reason == "hold" and len(SENT) == 2
+    operations.resume(run.id, by="bob")
+    assert drive(run.id).wait_detail == "repeat effect: pay" and len(SENT) == 2
+    operations.decide(run.id, "repeat effect: pay", approve=True, by="carol")
     drive(run.id)
+    # Performed again once approved: a new identity, a new idempotency key.
     assert len(SENT) == 3 and len(set(SENT)) == 3
     assert operations.verify(run.id)[0].ok
 
@@ -173,9 +178,10 @@ def test_rollback_supersedes_an_approval_asked_at_the_target_itself():
     target = Checkpoint.objects.get(run=run, seq=1)
     Approval.objects.filter(run=run).update(base=target)
     assert operations.plan_rollback(run.id, 1).approvals_superseded == 1
-    operations.rollback(run.id, 1)
+    pay = Effect.objects.get(run=run, key="pay")
+    operations.rollback(run.id, 1, and_continue=True, decisions={pay.pk: "again"})
     assert Approval.objects.get(run=run).status == ApprovalStatus.SUPERSEDED
-    assert drive(run.id).wait_reason == "approval"
+    assert drive(run.id).wait_detail == "ship"
     assert Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).count() == 1
 
 

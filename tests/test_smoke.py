@@ -103,7 +103,9 @@ def test_rollback_runs_the_branch_again(workers):
     assert settled(run.id).status == RunStatus.SUCCEEDED
     assert state_of(run.id)["outcome"].startswith("rejected by smoke")
     summarised = Run.objects.get(pk=run.id).head_seq - 1
-    result = operations.rollback(run.id, summarised, by="smoke", reason="ask again")
+    result = operations.rollback(
+        run.id, summarised, by="smoke", reason="ask again", and_continue=True
+    )
     assert result.checkpoint.parent.seq == summarised
     waiting = settled(run.id)
     assert waiting.wait_reason == "approval"

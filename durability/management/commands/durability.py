@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from durability import approvals as edits
 from durability import canonical, dispatch, operations, telemetry
+from durability import rollbacks as rollbacks
 from durability.agents import registry
 from durability.errors import (
     DatabaseUnavailable,
@@ -76,6 +77,28 @@ def _with_version(p: argparse.ArgumentParser) -> None:
             " acts on what it reads in the same locked transaction"
         ),
     )
+
+
+def _effect_decisions(plan: Any, given: list[str]) -> dict[int, str]:
+    """``--effect ID=CHOICE`` (ID: an effect id, or the key of effects done after the target)
+    as the engine's decisions; the engine checks each choice."""
+    decisions: dict[int, str] = {}
+    for item in given:
+        ref, sep, choice = item.partition("=")
+        if not sep:
+            raise InvalidInput(
+                f"--effect {item!r}: give ID=CHOICE, e.g. --effect refund=compensate"
+            )
+        matched = [e.id for e in plan.done_not_undone if str(e.id) == ref or e.key == ref]
+        if not matched:
+            raise InvalidInput(
+                f"--effect {item!r}: no effect {ref!r} was done after checkpoint #{plan.target.seq}"
+            )
+        decisions.update(dict.fromkeys(matched, choice.strip()))
+    try:
+        return rollbacks.check_decisions(plan.done_not_undone, decisions)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), run_id=plan.run.id) from None
 
 
 def _age(when: datetime | None) -> str:
@@ -140,6 +163,22 @@ class Command(BaseCommand):
         p.add_argument("run")
         p.add_argument("--to", type=int, required=True, metavar="SEQ")
         p.add_argument("--dry-run", action="store_true", help="only show what it would do")
+        p.add_argument(
+            "--continue",
+            dest="and_continue",
+            action="store_true",
+            help="roll back and continue at once (default: the run is left on hold)",
+        )
+        p.add_argument(
+            "--effect",
+            action="append",
+            default=[],
+            metavar="ID=CHOICE",
+            help=(
+                "what to do with an effect done after SEQ (its id, or its key) when the run"
+                " reaches it again: ask (default), reuse, again or compensate; repeatable"
+            ),
+        )
         _with_version(p)
 
         p = sub.add_parser("fork", help="start a new run from a checkpoint")
@@ -446,33 +485,36 @@ class Command(BaseCommand):
         self.say(f"run {run.id} queued again from checkpoint #{run.head_seq} (step {run.step})")
 
     def do_rollback(self, opts: dict) -> None:
-        if opts["dry_run"]:
-            plan = operations.plan_rollback(opts["run"], opts["to"])
-        else:
+        plan = operations.plan_rollback(opts["run"], opts["to"])
+        decisions = _effect_decisions(plan, opts["effect"])
+        hold = not opts["and_continue"]
+        if not opts["dry_run"]:
             plan = operations.rollback(
                 opts["run"],
                 opts["to"],
                 by=self.by,
                 reason=self.reason,
+                and_continue=opts["and_continue"],
+                decisions=decisions,
                 expected_version=opts["expect_version"],
             )
         verb = "would roll back" if opts["dry_run"] else "rolled back"
-        self.say(
-            f"{verb} run {plan.run.id} to checkpoint #{plan.target.seq};"
-            f" it continues at step {plan.will_run_from or '(end)'}"
-        )
-        if plan.done_not_undone:
-            self.say(
-                f"{len(plan.done_not_undone)} effect(s) after #{plan.target.seq} were already"
-                " done and are NOT undone:"
+        self.say(f"{verb} run {plan.run.id} to checkpoint #{plan.target.seq}:")
+        # The same sentences as the dashboard's preview (one function makes them).
+        for sentence in plan.sentences(decisions, hold=hold):
+            self.say(f"  {sentence}")
+        for e in plan.done_not_undone:
+            undo = (
+                "compensated"
+                if decisions.get(e.id) == "compensate"
+                else "can be compensated"
+                if e.can_compensate
+                else "cannot be undone"
             )
-            for e in plan.done_not_undone:
-                self.say(
-                    f"  {e.key} in step {e.step} after #{e.seq} ({e.status})"
-                    f" key={e.idempotency_key}"
-                )
-        if plan.approvals_superseded:
-            self.say(f"{plan.approvals_superseded} pending approval(s) are superseded")
+            self.say(
+                f"  effect {e.id} {e.key} in step {e.step} after #{e.seq} ({e.status}, {undo}):"
+                f" {decisions.get(e.id, 'ask')}"
+            )
 
     def do_fork(self, opts: dict) -> None:
         state = None
