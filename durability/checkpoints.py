@@ -8,16 +8,18 @@ writes as four ORM statements). Elsewhere, and on SQLite, it is the ORM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from durability import canonical, diff, inflight, redact
@@ -281,6 +283,41 @@ _SQL = {
 }
 _SYNCHRONOUS_COMMIT = {"relaxed": "off", "replicated": "remote_apply"}
 
+# SQLite's counterpart, so that a level promises the same on both databases. Connections
+# open at synchronous=FULL (config/settings.py): in WAL mode each commit then syncs the WAL
+# to disk before COMMIT returns, like PostgreSQL's default synchronous_commit=on, so every
+# write that is not a relaxed checkpoint (strict and periodic checkpoints, effect intents,
+# call records, decisions, operator actions) survives an OS crash or a power loss. A relaxed
+# checkpoint commits under NORMAL, like synchronous_commit=off: the WAL is synced only when
+# SQLite checkpoints it, so a killed process loses nothing while an OS crash or a power loss
+# may lose the last relaxed commits (never corrupting the file). periodic saves commits, not
+# flushes: its checkpoints stay at FULL as on PostgreSQL. replicated is refused on SQLite.
+_SQLITE_SYNCHRONOUS = {"relaxed": "NORMAL"}
+
+
+@contextlib.contextmanager
+def sqlite_synchronous(level: str) -> Iterator[None]:
+    """Within the block, SQLite's ``synchronous`` setting for a commit at ``level``. SQLite
+    refuses to change it inside a transaction: inside a caller's, the commit keeps the
+    connection's (FULL, only ever stronger). The previous setting is put back after; if
+    that fails, the connection is closed, so that the next one opens at FULL again."""
+    lowered = _SQLITE_SYNCHRONOUS.get(level)
+    if lowered is None or connection.vendor != "sqlite" or connection.in_atomic_block:
+        yield
+        return
+    with connection.cursor() as cur:
+        cur.execute("PRAGMA synchronous")
+        previous = int(cur.fetchone()[0])
+        cur.execute(f"PRAGMA synchronous = {lowered}")
+    try:
+        yield
+    finally:
+        try:
+            with connection.cursor() as cur:
+                cur.execute(f"PRAGMA synchronous = {previous}")
+        except DatabaseError:  # a broken connection: the next one opens at FULL again
+            connection.close()
+
 
 def synchronous_standby() -> tuple[bool, str]:
     """Whether this database has a synchronous standby to wait for, and if not, why."""
@@ -304,7 +341,7 @@ def commit_step(c: StepCommit) -> int:
     checkpoint's id; raises ``FencedOut`` naming the guard that failed."""
     data = _facts(c)
     if connection.vendor != "postgresql":
-        with transaction.atomic():
+        with sqlite_synchronous(c.durability), transaction.atomic():
             checkpoint_id = _commit_orm(c, data)
             fault("in_commit", run=c.run_id, step=c.step, seq=c.head.seq + 1)
         return checkpoint_id

@@ -181,3 +181,65 @@ def test_a_suspension_keeps_the_steps_in_memory(periodic):
     assert drive(run.id).status == RunStatus.SUCCEEDED
     assert state_of(run.id)["approved"] is True
     assert all(n == 1 for n in CALLS.values()), CALLS
+
+
+# --- the same promises on SQLite (the embedded default) -------------------------------------
+
+FULL, NORMAL = 2, 1  # PRAGMA synchronous
+
+
+def _pragma_recorder(seen: list[tuple[str, int, bool]]):
+    """An execute wrapper: at each write the engine makes, the ``synchronous`` setting of the
+    connection and whether a transaction is open (what COMMIT will run under), read on the
+    same connection below Django (its own cursor would call this wrapper again)."""
+
+    def record(execute, sql, params, many, context):
+        if sql.startswith("INSERT INTO"):
+            raw = context["connection"].connection
+            table = sql.split('"')[1]
+            value = raw.execute("PRAGMA synchronous").fetchone()[0]
+            seen.append((table, value, raw.in_transaction))
+        return execute(sql, params, many, context)
+
+    return record
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("level", ["strict", "relaxed", "periodic"])
+def test_on_sqlite_each_level_commits_under_the_synchronous_setting_it_promises(level):
+    if connection.vendor != "sqlite":
+        pytest.skip("PRAGMA synchronous is SQLite's (PostgreSQL: the test above)")
+
+    def pay(what: str, *, idempotency_key: str) -> dict:
+        return {"paid": what}
+
+    registry.unregister("x-levels")
+    agent = Agent("x-levels", periodic_steps=2, initial_state=lambda inp: {"n": 0})
+
+    @agent.step(start=True)
+    def count(state, ctx):
+        state["n"] += 1
+        if state["n"] == 2:
+            ctx.effect("pay", pay, "once")
+        return "count" if state["n"] < 4 else END
+
+    seen: list[tuple[str, int, bool]] = []
+    try:
+        with connection.execute_wrapper(_pragma_recorder(seen)):
+            run = operations.start("x-levels", {}, durability=level)
+            assert drive(run.id).status == RunStatus.SUCCEEDED
+    finally:
+        registry.unregister("x-levels")
+    step_commits = [v for table, v, _ in seen if table == "durability_checkpoint"][1:]
+    assert step_commits, seen
+    # Checkpoints commit under their level's setting, inside their transaction; the start
+    # (an operator action) and the effect's intent always under FULL.
+    assert set(step_commits) == {NORMAL if level == "relaxed" else FULL}, seen
+    assert all(in_tx for _, _, in_tx in seen), seen
+    outside = [(t, v) for t, v, _ in seen if t in ("durability_run", "durability_effect")]
+    assert {t for t, _ in outside} == {"durability_run", "durability_effect"}, seen
+    assert {v for _, v in outside} == {FULL}, seen
+    assert [v for t, v, _ in seen if t == "durability_checkpoint"][0] == FULL  # the start
+    with connection.cursor() as cur:  # and the connection is back at FULL afterwards
+        cur.execute("PRAGMA synchronous")
+        assert cur.fetchone()[0] == FULL
