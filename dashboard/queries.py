@@ -76,7 +76,9 @@ def filtered(f: Filters, *, with_status: bool = True) -> QuerySet[Run]:
     if f.since in SINCE:
         runs = runs.filter(created_at__gte=timezone.now() - SINCE[f.since])
     if f.outcome:
-        runs = runs.filter(outcome=f.outcome)
+        # Only a run that succeeded has its outcome (one resumed or rolled back since may
+        # still carry the last one).
+        runs = runs.filter(outcome=f.outcome, status=RunStatus.SUCCEEDED)
     if f.recovered:
         runs = runs.filter(recoveries__gt=0)
     if f.q:

@@ -280,7 +280,8 @@ def _event_items(e: Event) -> list[Item]:
     """An event's item, after one item per call the step took from the journal instead of
     paying again (the event that ended the step names them: see durability.executor)."""
     event = _event_item(e)
-    replayed = _data(e.data).get("replayed") if e.kind in _REPLAY_CARRIERS else None
+    carrier = e.kind in _REPLAY_CARRIERS and '"replayed"' in e.data
+    replayed = _data(e.data).get("replayed") if carrier else None
     if not isinstance(replayed, list):
         return [event]
     items = []

@@ -1168,6 +1168,7 @@ class Execution:
                 error_code=code,
                 finished_at=Now(),
                 attempts=0,
+                outcome="",  # a run that failed ended as its status says
                 wait_reason=WaitReason.NONE,
                 wait_detail="",
             ):

@@ -199,3 +199,14 @@ def test_a_failed_run_shows_its_traceback_and_what_can_be_done_next(as_operator)
     assert "runs step explode again from checkpoint #0, on the same state it failed on" in page
     assert f"{reverse('dashboard:fork', args=[run.id])}?from=0" in html
     assert "waiting for</dt>" not in html
+
+
+def test_an_outcome_shows_only_on_a_run_that_succeeded(as_operator):
+    # A run resumed or rolled back after it ended may still carry its last outcome: once it
+    # has failed, the outcome is not what happened.
+    run = drive(operations.start("outcome-end", {"how": "end"}).id)
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.FAILED, error="ValueError: later")
+    assert "failed · declined" not in text_of(as_operator.get(RUNS))
+    page = text_of(as_operator.get(reverse("dashboard:run", args=[run.id])))
+    assert "failed · declined" not in page and "failed" in page
+    assert run.short_id not in text_of(as_operator.get(RUNS, {"outcome": "declined"}))

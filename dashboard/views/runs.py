@@ -27,7 +27,9 @@ def runs(request: HttpRequest) -> HttpResponse:
         "token": token,
         "statuses": RunStatus.values,
         "agents": sorted({*queries.agents_in_use(), *([filters.agent] if filters.agent else [])}),
-        "outcomes": queries.outcomes_in_use(filters.outcome),
+        # Called by the template only where the filter form is drawn: a poll of the table
+        # does not read it.
+        "outcomes": lambda: queries.outcomes_in_use(filters.outcome),
         "since_choices": [("", "all time"), *[(k, f"last {k}") for k in queries.SINCE]],
         "filtered": bool(filters.as_query()),
     }
