@@ -132,6 +132,47 @@ def test_a_sweep_never_ends_nor_takes_a_run_a_worker_just_took(settings, monkeyp
     assert not Event.objects.filter(run_id__in=runs, kind=EventKind.LEASE_LOST).exists()
 
 
+def test_a_worker_takes_its_lock_back_as_soon_as_its_session_ends(settings):
+    """A session ended under a live worker (as a database restart ends them all): the lock
+    is taken back at once on a new session, not at the next heartbeat 30 s later, and the
+    lease renewed; a run someone else holds by then is given up."""
+    if connection.vendor != "postgresql":
+        pytest.skip("session locks: PostgreSQL")
+    settings.DURABILITY_HEARTBEAT_SECONDS = 30
+    registry.unregister("x-retake")
+
+    def step(state, ctx):
+        state["done"] = True
+
+    Agent("x-retake", steps=[step])
+    run = operations.start("x-retake", {})
+    keeper = leases.LeaseKeeper(run.id, "retaker")
+    try:
+        assert keeper.acquire()
+        first = next(iter(leases.lock_holders([run.id])[str(run.id)]))
+        claim = leases.claim(run.id, "retaker", owner_dead=True, holder=first)
+        keeper.start(claim.token)
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s)", [first])
+        ended = time.monotonic()
+        again = wait_until(
+            lambda: (leases.lock_holders([run.id]).get(str(run.id)) or {first}) - {first},
+            timeout=20,
+            interval=0.01,
+            what="the lock to be taken back",
+        )
+        assert time.monotonic() - ended < 2.0
+        assert len(again) == 1 and not keeper.lost.is_set()
+        # Someone else has the run now: at its next loss of session the worker gives it up.
+        Run.objects.filter(pk=run.id).update(lease_token=claim.token + 1)
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s)", [next(iter(again))])
+        assert keeper.lost.wait(10)
+    finally:
+        keeper.stop()
+    assert not leases.lock_holders([run.id])
+
+
 # --- sweeps and busy run workers ---------------------------------------------------------------
 
 
@@ -222,6 +263,8 @@ def restarted(tmp_path_factory):
     try:
         yield cluster
     finally:
+        for proc in [*cluster.workers, cluster.housekeeping, cluster.beat]:
+            proc.kill()  # quicker than a warm shutdown; nothing is left to finish
         cluster.stop()
         pg.destroy()
         llm.stop()
