@@ -210,3 +210,21 @@ def test_an_outcome_shows_only_on_a_run_that_succeeded(as_operator):
     page = text_of(as_operator.get(reverse("dashboard:run", args=[run.id])))
     assert "failed · declined" not in page and "failed" in page
     assert run.short_id not in text_of(as_operator.get(RUNS, {"outcome": "declined"}))
+
+
+def test_the_support_demo_names_how_each_conversation_ended():
+    def support(customer: str, message: str) -> Run:
+        return drive(operations.start("support", {"customer": customer, "message": message}).id)
+
+    refunded = support("ada@example.com", "Refund order A-1001 please")
+    declined = support("mallory@example.com", "Refund order A-1001 please")  # not her order
+    asked = support("grace@example.com", "I want to return order A-1002")
+    assert asked.wait_reason == "approval"
+    operations.decide(asked.id, "refund", approve=False, by="ops", comment="outside the window")
+    rejected = drive(asked.id)
+    assert [r.status for r in (refunded, declined, rejected)] == [RunStatus.SUCCEEDED] * 3
+    assert [r.outcome for r in (refunded, declined, rejected)] == [
+        "refunded",
+        "declined",
+        "rejected",
+    ]
