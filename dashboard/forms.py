@@ -95,11 +95,42 @@ class RollbackForm(forms.Form):
     reason = forms.CharField(
         max_length=REASON_MAX, widget=forms.TextInput, help_text="Recorded in the audit log."
     )
+    then = forms.ChoiceField(
+        choices=[
+            ("hold", "Roll back and hold: nothing runs until someone continues it"),
+            ("continue", "Roll back and continue at once"),
+        ],
+        initial="hold",
+        required=False,  # absent (a script's form): hold, the safe default
+        widget=forms.RadioSelect,
+        label="Then",
+    )
     token = TokenField()
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, effects: list | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.initial.setdefault("token", new_token())
+        self.initial.setdefault("then", "hold")
+        # One choice per effect done on the branch left behind: what the run does when it
+        # reaches that effect again (DESIGN: "A rollback never repays on its own").
+        self.effects = list(effects or [])
+        for e in self.effects:
+            self.fields[f"effect-{e.id}"] = forms.ChoiceField(
+                choices=e.choices, initial="ask", required=False, label=e.what
+            )
+
+    def effect_fields(self) -> list[tuple[Any, Any]]:
+        """(effect, its bound field), for the template."""
+        return [(e, self[f"effect-{e.id}"]) for e in self.effects]
+
+    def decisions(self) -> dict[int, str]:
+        """The operator's per-effect choices (valid once the form is)."""
+        chosen = {}
+        for e in self.effects:
+            choice = self.cleaned_data.get(f"effect-{e.id}") or "ask"
+            if choice != "ask":
+                chosen[e.id] = choice
+        return chosen
 
 
 class ForkForm(forms.Form):

@@ -137,7 +137,13 @@ def actions_token(run: Run, approvals: list[Approval], doubts: list[Effect]) -> 
 
 
 def can_resume(run: Run) -> bool:
-    return run.status in (RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.WAITING)
+    """As the engine allows: not a run waiting for what wakes it by itself (an approval, a
+    message, a timer, its children). A run on hold after a rollback is "continued"."""
+    from durability.operations import WAKES_BY_ITSELF
+
+    if run.status == RunStatus.WAITING:
+        return run.wait_reason not in WAKES_BY_ITSELF
+    return run.status in (RunStatus.FAILED, RunStatus.CANCELLED)
 
 
 def can_cancel(run: Run) -> bool:

@@ -177,7 +177,7 @@ def sentences(
         n = preview.messages_back
         said.append(
             f"{n} message{'s' if n != 1 else ''} consumed after #{preview.target_seq}"
-            f" go{'es' if n == 1 else ''} back to the run's inbox, in the order"
+            f" go{'es' if n == 1 else ''} back to the inbox of the run, in the order"
             f" {'they' if n != 1 else 'it'} arrived."
         )
     if preview.approvals_superseded:

@@ -370,7 +370,10 @@ def act(state, ctx):
                 state["messages"].append({"role": "tool", "content": json.dumps(observation)})
                 return "think"
             amount = float(approved)
-        receipt = ctx.effect("refund", tools.refund, order.get("order_id"), amount)
+        # A refund can be reversed; the email below cannot be unsent.
+        receipt = ctx.effect(
+            "refund", tools.refund, order.get("order_id"), amount, compensate=tools.reverse_refund
+        )
         observation = {**receipt, "status": "refund_done"}
     elif tool == "reply":
         receipt = ctx.effect(

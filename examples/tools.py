@@ -56,3 +56,17 @@ def refund(order_id: str, amount_eur: float, *, idempotency_key: str) -> dict:
         amount_eur=Decimal(str(amount_eur)),
     )
     return {**result, "order_id": order_id, "amount_eur": amount_eur}
+
+
+def reverse_refund(
+    receipt: dict, order_id: str, amount_eur: float, *, idempotency_key: str
+) -> dict:
+    """How a refund is undone (its ``compensate=``): a reversal for the same amount, written
+    to the ledger (its own channel) as a negative amount and keyed by its own idempotency key."""
+    result = _deliver(
+        idempotency_key,
+        channel="reversal",
+        subject=f"reversal of refund {order_id}",
+        amount_eur=-Decimal(str(amount_eur)),
+    )
+    return {**result, "order_id": order_id, "reversed_eur": amount_eur}

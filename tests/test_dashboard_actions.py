@@ -210,8 +210,8 @@ def test_rollback_confirmation_lists_effects_done_after_the_target(as_operator):
     page = as_operator.get(url("rollback", run.id), {"to": 1})
     html = text_of(page)
     assert page.status_code == 200
-    assert "1 effect after checkpoint #1 was already done and will not be undone" in html
-    assert "pay" in html and "continues with step <strong>pay</strong>" in html
+    assert "is put on hold: nothing runs until an operator continues it (next step: pay)" in html
+    assert "was done and will not be undone (it cannot be undone); if the run reaches pay" in html
     response = as_operator.post(
         url("rollback", run.id),
         {
@@ -226,7 +226,8 @@ def test_rollback_confirmation_lists_effects_done_after_the_target(as_operator):
     assert response["Location"] == url("checkpoint", run.id, run.head_seq + 1)
     old_head = run.head_seq
     run.refresh_from_db()
-    assert run.status == RunStatus.QUEUED and run.head_seq == old_head + 1
+    assert (run.status, run.wait_reason) == ("waiting", "hold")
+    assert run.head_seq == old_head + 1
     head = run.checkpoints.get(seq=run.head_seq)
     assert head.reason == "rollback" and head.parent.seq == 1
     event = Event.objects.get(run=run, kind=EventKind.ROLLBACK)
@@ -522,9 +523,9 @@ def test_rollback_confirmation_names_children_cancelled_and_messages_returned(as
     )
     Message.objects.create(run=run, name="reply", data='"hi"', consumed_base=base)
     html = text_of(as_operator.get(url("rollback", run.id), {"to": 1}))
-    assert "1 child run started after #1 and still unfinished will be cancelled" in html
+    assert "1 child run started after #1 and still unfinished is cancelled" in html
     assert child.short_id in html
-    assert "1 message consumed after #1 goes back to the run's inbox" in html
+    assert "1 message consumed after #1 goes back to the inbox of the run" in html
 
 
 def test_send_the_message_a_run_waits_for_once(as_operator):
@@ -596,6 +597,10 @@ def test_a_json_form_nested_too_deeply_is_a_form_error(as_operator):
 
 def test_a_stale_rollback_or_resume_does_not_revive_a_run_cancelled_meanwhile(as_operator):
     run = waiting_run("Revive?")
+    # On hold after a rollback: the page offers to continue it (a run waiting for its
+    # approval offers no resume: the decision wakes it).
+    operations.rollback(run.id, 1, by="seed")
+    run.refresh_from_db()
     run_page = text_of(as_operator.get(url("run", run.id)))
     assert 'name="resume-status" value="waiting"' in run_page
     confirm = text_of(as_operator.get(url("rollback", run.id), {"to": 1}))

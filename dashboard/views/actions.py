@@ -22,10 +22,10 @@ from dashboard.permissions import operator_required
 from dashboard.submissions import AlreadySubmitted, spend
 from dashboard.templatetags.dashboard import ago
 from dashboard.views.common import explain, page, status_for
-from durability import operations
+from durability import operations, rollbacks
 from durability.agents import registry
 from durability.errors import DurabilityError, InvalidInput, InvalidTransition
-from durability.models import FINISHED, Effect, EffectStatus, Event, Message, Run
+from durability.models import Checkpoint, Effect, EffectStatus, Event, Run
 from durability.redact import redact
 
 
@@ -179,7 +179,17 @@ def rollback(request: HttpRequest, ref: str) -> HttpResponse:
         return _rollback_post(request, run)
     to = params.text(request.GET, "to", 20)
     if not to:
-        raise params.BadParameter("to", "must name the checkpoint to roll back to (?to=12)")
+        # "Roll back" undoes the run's most recent outside action first (DESIGN: "A
+        # rollback never repays on its own"), not merely its last step.
+        default = rollbacks.default_target(run)
+        if default is None:
+            return refused(
+                request,
+                run,
+                f"run {run.short_id} has only its first checkpoint: nothing to roll back to",
+                409,
+            )
+        to = str(default)
     target = states.checkpoint_or_404(run, to)
     try:
         plan = operations.plan_rollback(run, target.seq)
@@ -191,30 +201,51 @@ def rollback(request: HttpRequest, ref: str) -> HttpResponse:
             "expected_head": run.head_seq,
             "expected_status": run.status,
             "version": run.lease_token,
-        }
+        },
+        effects=plan.done_not_undone,
     )
     return _rollback_page(request, run, plan, form)
 
 
+def checkpoint_choices(run: Run, *, include_head: bool) -> list[dict[str, Any]]:
+    """Every checkpoint of the run for a picker, newest first: its number, the step that made
+    it, when, and whether it is the default target. One query, values only: a run can have
+    thousands."""
+    rows = (
+        Checkpoint.objects.filter(run=run)
+        .order_by("-seq")
+        .values_list("seq", "step", "reason", "created_at")
+    )
+    return [
+        {"seq": seq, "step": step, "reason": reason, "at": at}
+        for seq, step, reason, at in rows
+        if include_head or seq != run.head_seq
+    ]
+
+
 def _rollback_page(
-    request: HttpRequest, run: Run, plan: Any, form: RollbackForm, status: int = 200, error=""
+    request: HttpRequest,
+    run: Run,
+    plan: Any,
+    form: RollbackForm,
+    status: int = 200,
+    error: str = "",
 ) -> HttpResponse:
-    # What else the new branch changes (DESIGN: "Rollback and fork open a new branch"):
-    # children started on the abandoned branch are cancelled, messages consumed there go
-    # back to the inbox.
-    abandoned = getattr(plan, "abandoned", set())
+    decisions: dict[int, str] = {}
+    hold = True
+    if form.is_bound and form.is_valid():
+        decisions = form.decisions()
+        hold = form.cleaned_data["then"] != "continue"
     context = {
         "nav": "runs",
         "run": run,
         "plan": plan,
         "form": form,
         "error": error,
-        "children": list(
-            Run.objects.filter(parent_run=run, spawn_base_id__in=abandoned)
-            .exclude(status__in=FINISHED)
-            .only("id", "agent", "status")
-        ),
-        "messages_back": Message.objects.filter(run=run, consumed_base_id__in=abandoned).count(),
+        # What will happen, in plain words: the same sentences as `rollback --dry-run`.
+        "sentences": plan.sentences(decisions, hold=hold),
+        "checkpoints": checkpoint_choices(run, include_head=False),
+        "default_seq": rollbacks.default_target(run),
     }
     return page(request, "dashboard/rollback.html", context, status=status)
 
@@ -223,18 +254,21 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
     version = _version(request, "version")
     if version is None:
         return refused(request, run, NO_VERSION, 400)
-    form = RollbackForm(request.POST)
+    try:
+        chosen = params.bounded(
+            request.POST.get("checkpoint_id", ""), "checkpoint_id", maximum=params.ID_MAX
+        )
+        plan = operations.plan_rollback(run, checkpoint_id=chosen)
+    except (DurabilityError, params.BadParameter) as exc:
+        form = RollbackForm(request.POST)
+        form.is_valid()
+        detail = _errors(form) or (explain(exc) if isinstance(exc, DurabilityError) else str(exc))
+        return refused(request, run, "the confirmation form is incomplete: " + detail, 422)
+    form = RollbackForm(request.POST, effects=plan.done_not_undone)
     if not form.is_valid():
-        try:
-            chosen = params.bounded(
-                request.POST["checkpoint_id"], "checkpoint_id", maximum=params.ID_MAX
-            )
-            plan = operations.plan_rollback(run, checkpoint_id=chosen)
-        except (DurabilityError, KeyError, params.BadParameter):
-            return refused(
-                request, run, "the confirmation form is incomplete: " + _errors(form), 422
-            )
         return _rollback_page(request, run, plan, form, 422)
+    if request.POST.get("action") == "preview":
+        return _rollback_page(request, run, plan, form)
     data = form.cleaned_data
     try:
         with transaction.atomic():
@@ -246,6 +280,8 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
                 checkpoint_id=data["checkpoint_id"],
                 by=_who(request),
                 reason=data["reason"],
+                and_continue=data["then"] == "continue",
+                decisions=form.decisions(),
                 expected_head=data["expected_head"],
                 expected_status=data["expected_status"] or None,
                 expected_version=version,
@@ -257,19 +293,24 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
             sub.save(update_fields=["outcome"])
     except AlreadySubmitted as dup:
         return _duplicate(request, run, dup)
+    except InvalidInput as exc:
+        if isinstance(exc, InvalidTransition):
+            return _engine_refused(request, run, exc)
+        return _rollback_page(request, run, plan, form, 422, error=explain(exc))
     except DurabilityError as exc:
         return _engine_refused(request, run, exc)
-    undone = len(result.done_not_undone)
-    note = (
-        f" {undone} effect{'s' if undone != 1 else ''} done after #{result.target.seq}"
-        f" {'were' if undone != 1 else 'was'} not undone."
-        if undone
-        else ""
-    )
+    if result.held:
+        then = (
+            " The run is on hold: nothing runs until someone continues it"
+            f"{' (next step: ' + result.will_run_from + ')' if result.will_run_from else ''}."
+        )
+    elif result.will_run_from:
+        then = f" It continues with {result.will_run_from}."
+    else:
+        then = " That was its end: it is marked succeeded."
     messages.success(
         request,
-        f"Rolled back to #{result.target.seq}: new head #{result.checkpoint.seq}"  # type: ignore[union-attr]
-        f"{', continuing with ' + result.will_run_from if result.will_run_from else ''}.{note}",
+        f"Rolled back to #{result.target.seq}: new head #{result.checkpoint.seq}.{then}",  # type: ignore[union-attr]
     )
     return redirect(
         "dashboard:checkpoint",
@@ -304,6 +345,7 @@ def fork(request: HttpRequest, ref: str) -> HttpResponse:
         "run": run,
         "checkpoint": cp,
         "schema": _schema_text(run),
+        "checkpoints": checkpoint_choices(run, include_head=True),
     }
     if request.method == "GET":
         shown, _ = redact(loaded.state)
