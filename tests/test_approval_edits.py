@@ -107,6 +107,7 @@ def test_an_edit_the_agents_check_refuses_is_refused_with_its_sentence():
     assert ATTEMPTS == []
 
 
+@pytest.mark.smoke
 def test_a_read_only_field_cannot_be_changed():
     run = _waiting()
     with pytest.raises(EditRefused, match="customer is read-only; the agent lets you edit only"):
@@ -144,6 +145,7 @@ def test_an_accepted_edit_is_kept_beside_what_was_asked_and_replays_as_decided()
     assert state_of(run.id)["refunded"] == 200
 
 
+@pytest.mark.smoke
 def test_an_unknown_check_refuses_the_edit_and_says_why():
     run = _waiting()
     Approval.objects.filter(run=run).update(
@@ -160,6 +162,7 @@ def test_an_unknown_check_refuses_the_edit_and_says_why():
     _nothing_recorded(run)
 
 
+@pytest.mark.smoke
 def test_a_check_that_is_not_a_module_level_function_is_refused_when_asked():
     def step(state, ctx):
         ctx.approval("go", {"n": 1}, validate=lambda asked, edited: None)
