@@ -140,11 +140,22 @@ def agent_modules(agent: Any) -> set[str]:
 
 
 def _lookup(module: str, qualname: str) -> Any:
+    """The function ``qualname`` defined in ``module``, or None. Defined there, not only
+    reachable from there: ``examples.agents:os.system`` names a function the module imported,
+    and is refused."""
+    if not qualname or any(
+        part.startswith("_") and part.endswith("__") for part in qualname.split(".")
+    ):
+        return None
     try:
         found: Any = importlib.import_module(module)
         for part in qualname.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError):
+        return None
+    if not callable(found) or getattr(found, "__module__", None) != module:
+        return None
+    if getattr(found, "__qualname__", None) != qualname:
         return None
     return found
 
@@ -257,7 +268,7 @@ def resolve_check(name: str, agent_name: str, ref: str, run_id: Any = None) -> C
         ) from None
     module, _, qualname = ref.partition(":")
     found = _lookup(module, qualname) if module in agent_modules(agent) else None
-    if not callable(found):
+    if found is None:
         raise EditRefused(
             f"approval {name!r}: the agent's check {ref} cannot be found among the modules of"
             f" agent {agent_name} in this process; nothing was recorded",

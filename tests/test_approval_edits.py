@@ -146,14 +146,25 @@ def test_an_accepted_edit_is_kept_beside_what_was_asked_and_replays_as_decided()
 
 
 @pytest.mark.smoke
-def test_an_unknown_check_refuses_the_edit_and_says_why():
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "os:system",
+        # Reachable from the agent's module but defined elsewhere: a row names only the
+        # agent's own functions.
+        "tests.test_approval_edits:json.dumps",
+        "tests.test_approval_edits:within_price.__call__",
+        "tests.test_approval_edits:missing",
+    ],
+)
+def test_an_unknown_check_refuses_the_edit_and_says_why(ref):
     run = _waiting()
     Approval.objects.filter(run=run).update(
         editable=json.dumps(
             {
                 "type": "object",
                 "properties": {"amount_eur": {"type": "number"}},
-                "x-durability-check": "os:system",
+                "x-durability-check": ref,
             }
         )
     )
