@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.urls import reverse
 from pydantic import BaseModel
 
@@ -240,6 +240,13 @@ def test_the_form_offers_only_the_editable_field_and_refuses_with_the_agents_sen
     assert "Read-only" in page and "grace@example.com" in page
 
     before = _counts()
+    # The command line is refused alike: one coded line, exit 2 (bad input).
+    with pytest.raises(CommandError) as cli:
+        call_command(
+            "durability", "approve", str(run.id), "refund", "--payload", '{"amount_eur": 500}'
+        )
+    assert str(cli.value).startswith("[DUR113] amount must be between 0 and 349 EUR")
+    assert cli.value.returncode == 2
     refused = as_operator.post(edit, {"f0": "500", "comment": "too much"})
     assert refused.status_code == 422
     assert "amount must be between 0 and 349 EUR" in refused.content.decode()

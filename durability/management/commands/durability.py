@@ -201,7 +201,13 @@ class Command(BaseCommand):
         p.add_argument("name")
         p.add_argument("--reject", action="store_true")
         p.add_argument("--comment", default="")
-        p.add_argument("--payload", help="approve with edits: the corrected payload as JSON")
+        p.add_argument(
+            "--payload",
+            help=(
+                "approve with edits: the corrected payload as JSON (when the agent names its"
+                " editable fields, only those; the others keep their asked values)"
+            ),
+        )
         _with_version(p)
 
         p = sub.add_parser("send", help="send a message to a run (ctx.wait_for takes it)")
