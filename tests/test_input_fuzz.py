@@ -77,7 +77,7 @@ def form_fields(form: Any, *extra: str) -> list[str]:
 FORMS: dict[str, list[str]] = {
     "resume": form_fields(ReasonForm(prefix="resume"), "resume-version"),
     "cancel": form_fields(ReasonForm(prefix="cancel"), "cancel-version"),
-    "rollback": form_fields(RollbackForm(), "version"),
+    "rollback": form_fields(RollbackForm(), "version", "action"),
     "fork": form_fields(ForkForm(), "action"),
     "send": form_fields(SendForm(prefix="send"), "send-version"),
     "resolve": form_fields(ResolveForm(), "version"),
