@@ -284,3 +284,34 @@ def _counts() -> tuple[int, int, int]:
         Approval.objects.exclude(status=ApprovalStatus.PENDING).count(),
         Approval.objects.exclude(edited_payload="").count(),
     )
+
+
+def test_the_form_types_each_editable_field_from_its_schema():
+    from dashboard.forms import PayloadForm
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "speed": {"enum": ["slow", "fast", 3]},
+            "count": {"type": "integer", "minimum": 1, "maximum": 9},
+            "urgent": {"type": "boolean"},
+            "tags": {"anyOf": [{"type": "array"}, {"type": "null"}]},
+        },
+    }
+    payload = {"count": 2, "note": "keep", "speed": "slow", "tags": ["a"], "urgent": False}
+    editable = json.dumps(schema)
+    form = PayloadForm(payload, editable=editable)
+    assert form.read_only == ["note"]
+    html = form.as_p()
+    assert 'type="number" name="f0" value="2" min="1" max="9"' in html
+    assert '<option value="3">3</option>' in html and 'type="checkbox" name="f4"' in html
+    posted = PayloadForm(
+        payload, {"f0": "4", "f2": "3", "f3": '["a", "b"]', "f4": "on"}, editable=editable
+    )
+    assert posted.is_valid(), posted.errors
+    assert posted.cleaned_data["edited"] == {
+        "count": 4,
+        "speed": 3,
+        "tags": ["a", "b"],
+        "urgent": True,
+    }
