@@ -465,7 +465,8 @@ class Approval(models.Model):
     # Approve with edits: the payload as the operator corrected it (canonical JSON).
     edited_payload = models.TextField(blank=True, default="")
     # The fields an operator may edit, as a JSON Schema the agent gave (canonical JSON; empty:
-    # approve with edits is not offered). Checked again when the decision is recorded.
+    # the agent named none, and every field may be edited, typed by its asked value, as before
+    # editable= existed). Checked again when the decision is recorded.
     editable = models.TextField(blank=True, default="")
     requested_at = models.DateTimeField(auto_now_add=True)
     # Policy: who may decide (a Django group; empty: any operator), and what happens when
