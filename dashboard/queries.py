@@ -14,6 +14,7 @@ from typing import Any
 
 from django.db import connection
 from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Substr
 from django.utils import timezone
 
 from dashboard import params
@@ -154,6 +155,8 @@ def _annotated(runs: QuerySet[Run]) -> QuerySet[Run]:
             state_size=Subquery(head.values("size")[:1]),
             approval_name=Subquery(pending.values("name")[:1]),
             approval_since=Subquery(pending.values("requested_at")[:1]),
+            # The input's first characters for a preview: never the whole of a large input.
+            input_head=Substr("input", 1, 300),
         )
     )
 

@@ -321,3 +321,142 @@ def test_the_trace_id_is_shown_with_or_without_a_viewer_link(as_operator, settin
     # A traceparent that is not one shows nothing rather than a broken link.
     Run.objects.filter(pk=run.pk).update(trace_parent="garbage")
     assert "tempo.example" not in text_of(as_operator.get(run_url(run)))
+
+
+# --- one page, one truth -----------------------------------------------------------------------
+
+
+def _poll(client, run: Run, page, **extra) -> str:
+    params = {
+        "live": page.context["header_token"],
+        "acts": page.context["actions_token"],
+        "head": run.head_seq,
+        "cursor": page.context["cursor"],
+        **extra,
+    }
+    response = client.get(run_url(run), params, HTTP_HX_REQUEST="true")
+    assert response.status_code == 200
+    return text_of(response)
+
+
+def test_a_poll_after_the_head_moved_sends_every_region_on_the_new_head(as_operator):
+    run = waiting_run("One truth?")
+    assert run.head_seq == 2
+    page = as_operator.get(run_url(run))
+    html = text_of(page)
+    assert 'name="follow" value="1"' in html and 'name="inspect" value="2"' in html
+    operations.decide(run.id, "ship", approve=True, by="olive")
+    drive(run.id)
+    following = _poll(as_operator, run, page, inspect=2, follow=1, tab="state")
+    # The new checkpoint rows travel in a <template>: a bare <tbody> after other elements is
+    # dropped by the HTML parser, which left the table on the old head.
+    rows = following.split('<template><tbody hx-swap-oob="afterbegin:#checkpoint-rows">')[1]
+    assert ">#3</a>" in rows.split("</template>")[0]
+    assert '<a id="run-head"' in following and ">#3</a>" in following.split('id="run-head"')[1]
+    # The inspector that followed the head moves to it, in the tab it had, marked head.
+    inspector = following.split('<section id="inspector"')[1].split("</section>")[0]
+    assert 'hx-swap-oob="true"' in inspector and "Checkpoint #3" in inspector
+    assert '<span class="tag head"' in inspector and 'value="state"' in inspector
+    assert 'id="run-actions"' in following  # the actions follow the head too
+    assert 'id="nav-approvals"' in following and 'hx-swap-oob="true"' in following
+    # An inspector on a checkpoint the reader picked keeps it: only its head mark changes.
+    pinned = _poll(as_operator, run, page, inspect=2, follow=0)
+    assert '<section id="inspector"' not in pinned
+    mark = pinned.split('<span id="inspector-head" hx-swap-oob="true">')[1].split("</span>")[0]
+    assert "head is #3" in mark
+    # Drawn again from the new state, the page asks nothing more.
+    fresh = as_operator.get(run_url(run))
+    again = as_operator.get(
+        run_url(run),
+        {
+            "live": fresh.context["header_token"],
+            "acts": fresh.context["actions_token"],
+            "head": 3,
+            "cursor": fresh.context["cursor"],
+            "inspect": 3,
+            "follow": 1,
+        },
+        HTTP_HX_REQUEST="true",
+    )
+    assert again.status_code == 204
+
+
+def _actions(client, run: Run) -> str:
+    html = text_of(client.get(run_url(run)))
+    return html.split('id="run-actions"')[1].split("</section>")[0]
+
+
+def test_resume_is_offered_only_where_it_does_something(as_operator):
+    run = waiting_run("Which actions?")
+    resume = reverse("dashboard:resume", args=[run.id])
+    assert resume not in _actions(as_operator, run)  # waiting for an approval
+    for reason, detail in (("message", "user"), ("timer", ""), ("children", "")):
+        Run.objects.filter(pk=run.pk).update(wait_reason=reason, wait_detail=detail)
+        assert resume not in _actions(as_operator, run), reason
+    Run.objects.filter(pk=run.pk).update(wait_reason="hold", wait_detail="")
+    held = _actions(as_operator, run)
+    assert resume in held and ">Continue</button>" in held and ">Resume</button>" not in held
+    Run.objects.filter(pk=run.pk).update(status="failed", wait_reason="")
+    failed = _actions(as_operator, run)
+    assert resume in failed and ">Resume</button>" in failed
+    assert 'data-keep="cancel"' not in failed  # a finished run cannot be cancelled
+
+
+def test_resuming_a_cancelled_run_and_cancelling_ask_for_confirmation(as_operator):
+    run = waiting_run("Confirm?")
+    waiting = _actions(as_operator, run)
+    cancel = waiting.split('<details class="confirm" data-keep="cancel">')[1].split("</details>")[0]
+    assert "Cancelling stops this run for good at checkpoint #2" in cancel
+    assert "Its 1 pending approval (ship) is superseded" in cancel
+    assert ">Cancel the run</button>" in cancel and 'name="cancel-reason"' in cancel
+    operations.cancel(run.id, by="seed", reason="setup")
+    cancelled = _actions(as_operator, run)
+    resume = cancelled.split('<details class="confirm" data-keep="resume">')[1]
+    assert "This run was cancelled. Resuming it queues it again from checkpoint #2" in resume
+    assert "step <strong>confirm</strong> runs again" in resume
+    assert ">Resume the cancelled run</button>" in resume
+
+
+def test_a_repeated_or_outdated_submit_lands_on_the_run_page_with_a_notice(as_operator):
+    run = waiting_run("Twice?")
+    operations.cancel(run.id, by="seed", reason="setup")
+    html = text_of(as_operator.get(run_url(run)))
+    token = re.search(r'name="resume-token" value="([^"]+)"', html).group(1)
+    shown = re.search(r'name="resume-version" value="([^"]+)"', html).group(1)
+    form = {"resume-token": token, "resume-version": shown, "resume-status": "cancelled"}
+    resume = reverse("dashboard:resume", args=[run.id])
+    assert as_operator.post(resume, form).status_code == 302
+    again = as_operator.post(resume, form, follow=True)
+    assert again.status_code == 200 and again.redirect_chain == [(run_url(run), 302)]
+    notice = text_of(again).split('id="messages"')[1].split("</ul>")[0]
+    assert "already submitted by olive" in notice and "done once" in notice
+    assert Event.objects.filter(run=run, kind="resumed").count() == 1
+    # A copy of the form without its token, made on a version the run has left.
+    stale = as_operator.post(resume, {**form, "resume-token": ""}, follow=True)
+    assert stale.status_code == 200 and stale.redirect_chain == [(run_url(run), 302)]
+    notice = text_of(stale).split('id="messages"')[1].split("</ul>")[0]
+    assert "Nothing was done" in notice and "DUR112" in notice
+    assert Event.objects.filter(run=run, kind="resumed").count() == 1
+
+
+# --- pages to share and read -------------------------------------------------------------------
+
+
+def test_compare_puts_the_pair_in_the_address(as_operator):
+    run = waiting_run("Share the diff?")
+    diff = reverse("dashboard:diff", args=[run.id])
+    response = as_operator.get(diff, {"a": "0", "b": "2"}, HTTP_HX_REQUEST="true")
+    pushed = response["HX-Push-Url"]
+    assert pushed == f"{diff}?a_run={run.id}&a=0&b_run={run.id}&b=2&view=unified"
+    # Defaults are named too: the address opens the same pair for whoever gets it.
+    defaulted = as_operator.get(diff, {"view": "split"}, HTTP_HX_REQUEST="true")
+    assert defaulted["HX-Push-Url"].endswith(f"&a=1&b_run={run.id}&b=2&view=split")
+
+
+def test_the_runs_list_previews_each_input_short_escaped_and_redacted(as_operator):
+    waiting_run("<b>Why</b> add jitter to backoff " * 10, extra={"api_token": "sk-live-123"})
+    html = text_of(as_operator.get(reverse("dashboard:runs")))
+    preview = html.split('<div class="preview"')[1].split("</div>")[0]
+    assert "question: &lt;b&gt;Why&lt;/b&gt; add jitter" in preview
+    assert "<b>" not in preview and "sk-live-123" not in html
+    assert len(preview.split(">", 1)[1]) < 200

@@ -45,7 +45,7 @@ __all__ = ["dash_agents"]
 # The query parameters each route reads (its path parameters come from the URLconf).
 QUERY: dict[str, list[str]] = {
     "runs": ["status", "agent", "since", "q", "outcome", "recovered", "cursor", "live"],
-    "run": ["tab", "live", "cursor", "acts", "head"],
+    "run": ["tab", "live", "cursor", "acts", "head", "inspect", "follow"],
     "checkpoints": ["before"],
     "checkpoint": ["tab"],
     "tree": ["path", "offset"],

@@ -5,6 +5,7 @@ templates as text and is escaped by the template engine."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
@@ -146,6 +147,32 @@ def sparkline(series: list[float | None], width: int = 120, height: int = 28) ->
         lines,
         dots,
     )
+
+
+PREVIEW_CHARS = 90
+# "key": value pairs in the first characters of a canonical JSON input, which may be cut
+# anywhere: a pair cut short is shown as far as it goes.
+_PAIR = re.compile(r'"((?:[^"\\]|\\.){1,60})"\s*:\s*("(?:[^"\\]|\\.)*"?|[^,{}\[\]]+)')
+
+
+@register.filter
+def preview(head: Any) -> str:
+    """A run's input in one short line ("question: Why add jitter?"), from the first
+    characters of its JSON, with secret fields redacted. Plain text: the template escapes it."""
+    from durability.redact import REDACTED, is_secret_key
+
+    text = str(head or "")
+    parts = []
+    for key, value in _PAIR.findall(text):
+        if is_secret_key(key):
+            value = REDACTED
+        elif value.startswith('"'):
+            value = value.strip('"').replace('\\"', '"')
+        parts.append(f"{key}: {value.strip()}")
+    shown = ", ".join(parts) if parts else text.strip("{}[]")
+    if len(shown) > PREVIEW_CHARS:
+        shown = shown[: PREVIEW_CHARS - 1].rstrip() + "…"
+    return shown
 
 
 @register.simple_tag

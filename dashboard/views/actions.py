@@ -7,6 +7,7 @@ coded error that changed nothing), then redirects to the run with what happened.
 from __future__ import annotations
 
 import json
+from html import escape
 from typing import Any
 
 from django.contrib import messages
@@ -14,7 +15,9 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
+from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_http_methods, require_POST
+from django_htmx.http import HttpResponseClientRedirect
 
 from dashboard import params, present, runinfo, states
 from dashboard.forms import ForkForm, ReasonForm, ResolveForm, RollbackForm, SendForm
@@ -24,7 +27,7 @@ from dashboard.templatetags.dashboard import ago
 from dashboard.views.common import explain, page, status_for
 from durability import operations, rollbacks
 from durability.agents import registry
-from durability.errors import DurabilityError, InvalidInput, InvalidTransition
+from durability.errors import DurabilityError, InvalidInput, InvalidTransition, Stale
 from durability.models import Checkpoint, Effect, EffectStatus, Event, Run
 from durability.redact import redact
 
@@ -65,7 +68,21 @@ def refused(
 
 def _engine_refused(request: HttpRequest, run: Run, exc: DurabilityError) -> HttpResponse:
     hint = last_action(run) if isinstance(exc, InvalidTransition) else ""
+    if isinstance(exc, Stale):
+        # A form made on a version the run has left (a second tab, a colleague, the run
+        # itself moved on): nothing was done, and the useful answer is the run as it is now.
+        return land_on_run(request, run, f"Nothing was done: {explain(exc)} {hint}".strip())
     return refused(request, run, explain(exc), status_for(exc), hint=hint)
+
+
+def land_on_run(request: HttpRequest, run: Run, notice: str) -> HttpResponse:
+    """Back on the run's page with a notice: what a repeated or outdated submit gets
+    instead of an error page, since nothing went wrong that the operator must fix."""
+    messages.warning(request, notice)
+    where = reverse("dashboard:run", args=[run.id])
+    if getattr(request, "htmx", None):
+        return HttpResponseClientRedirect(where)
+    return redirect(where)
 
 
 def _duplicate(request: HttpRequest, run: Run, dup: AlreadySubmitted) -> HttpResponse:
@@ -75,7 +92,7 @@ def _duplicate(request: HttpRequest, run: Run, dup: AlreadySubmitted) -> HttpRes
         f"This form was already submitted by {first.username} {ago(first.created_at)};"
         f" it was done once and is not done again.{outcome}"
     )
-    return refused(request, run, message, 409, title="Already done")
+    return land_on_run(request, run, message)
 
 
 NO_VERSION = (
@@ -207,20 +224,30 @@ def rollback(request: HttpRequest, ref: str) -> HttpResponse:
     return _rollback_page(request, run, plan, form)
 
 
-def checkpoint_choices(run: Run, *, include_head: bool) -> list[dict[str, Any]]:
-    """Every checkpoint of the run for a picker, newest first: its number, the step that made
-    it, when, and whether it is the default target. One query, values only: a run can have
-    thousands."""
+def checkpoint_choices(
+    run: Run, *, include_head: bool, selected: int, marked: int | None = None, mark: str = ""
+) -> str:
+    """The options of a checkpoint picker, newest first: each checkpoint's number, the step
+    that made it and when (``marked`` gets ``mark``). One query, values only, the HTML made
+    here and escaped (``html.escape``): a run can have thousands of checkpoints, and as
+    many template loop turns (or ``format_html`` calls) would cost the page most of its time."""
     rows = (
         Checkpoint.objects.filter(run=run)
         .order_by("-seq")
         .values_list("seq", "step", "reason", "created_at")
     )
-    return [
-        {"seq": seq, "step": step, "reason": reason, "at": at}
-        for seq, step, reason, at in rows
-        if include_head or seq != run.head_seq
-    ]
+    options = []
+    for seq, step, reason, at in rows:
+        if seq == run.head_seq and not include_head:
+            continue
+        what = f"after {step}" if step else reason
+        note = f" · {mark}" if seq == marked and mark else ""
+        if seq == run.head_seq:
+            note += " · head"
+        label = escape(f"#{seq} · {what} · {at:%Y-%m-%d %H:%M:%S} UTC{note}")
+        chosen = " selected" if seq == selected else ""
+        options.append(f'<option value="{seq}"{chosen}>{label}</option>')
+    return mark_safe("".join(options))  # every label is escaped above
 
 
 def _rollback_page(
@@ -244,8 +271,13 @@ def _rollback_page(
         "error": error,
         # What will happen, in plain words: the same sentences as `rollback --dry-run`.
         "sentences": plan.sentences(decisions, hold=hold),
-        "checkpoints": checkpoint_choices(run, include_head=False),
-        "default_seq": rollbacks.default_target(run),
+        "checkpoints": checkpoint_choices(
+            run,
+            include_head=False,
+            selected=plan.target.seq,
+            marked=rollbacks.default_target(run),
+            mark="last before the last effect",
+        ),
     }
     return page(request, "dashboard/rollback.html", context, status=status)
 
@@ -345,7 +377,7 @@ def fork(request: HttpRequest, ref: str) -> HttpResponse:
         "run": run,
         "checkpoint": cp,
         "schema": _schema_text(run),
-        "checkpoints": checkpoint_choices(run, include_head=True),
+        "checkpoints": checkpoint_choices(run, include_head=True, selected=cp.seq),
     }
     if request.method == "GET":
         shown, _ = redact(loaded.state)
@@ -458,6 +490,8 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
     except InvalidTransition as exc:
         effect.refresh_from_db()
         hint = f"It was resolved by {effect.resolved_by}." if effect.resolved_by else ""
+        if isinstance(exc, Stale):
+            return land_on_run(request, run, f"Nothing was done: {explain(exc)} {hint}".strip())
         return refused(request, run, explain(exc), 409, hint=hint)
     except DurabilityError as exc:
         form.add_error(None, explain(exc))

@@ -13,15 +13,48 @@ from durability.models import Event, EventKind
 
 PAGE = 100
 
+# What an operator (or a person at the CLI) does to a run: the audit log's "what" filter
+# offers these only, not the engine's own events (checkpoints, claims, commits) that never
+# appear in a log of operator actions.
+OPERATOR_KINDS = (
+    EventKind.CREATED,
+    EventKind.APPROVAL_DECIDED,
+    EventKind.MESSAGE_RECEIVED,
+    EventKind.EFFECT_RESOLVED,
+    EventKind.RESUMED,
+    EventKind.CANCELLED,
+    EventKind.ROLLBACK,
+    EventKind.COMPENSATED,
+    EventKind.FORK,
+    EventKind.HOLD,
+    EventKind.COMPACTED,
+)
+
 
 def _before(request: HttpRequest) -> int | None:
     return params.integer(request.GET, "before", maximum=params.ID_MAX)
 
 
+# In an operator's words: what they did, not the event's name.
+_KIND_LABELS = {
+    EventKind.CREATED: "started a run",
+    EventKind.APPROVAL_DECIDED: "decided an approval",
+    EventKind.MESSAGE_RECEIVED: "sent a message",
+    EventKind.EFFECT_RESOLVED: "resolved an effect in doubt",
+    EventKind.RESUMED: "resumed or continued",
+    EventKind.CANCELLED: "cancelled",
+    EventKind.ROLLBACK: "rolled back",
+    EventKind.COMPENSATED: "compensated an effect",
+    EventKind.FORK: "forked",
+    EventKind.HOLD: "legal hold",
+    EventKind.COMPACTED: "compacted",
+}
+
+
 @require_GET
 def audit(request: HttpRequest) -> HttpResponse:
     actor = params.text(request.GET, "actor", 150)
-    kind = params.choice(request.GET, "kind", EventKind.values)
+    kind = params.choice(request.GET, "kind", [k.value for k in OPERATOR_KINDS])
     run_ref = params.text(request.GET, "run", 36)
     rows = Event.objects.exclude(actor="").select_related("run")
     if actor:
@@ -50,7 +83,7 @@ def audit(request: HttpRequest) -> HttpResponse:
         "actor": actor,
         "kind": kind,
         "run_ref": run_ref,
-        "kinds": EventKind.choices,
+        "kinds": [(k.value, _KIND_LABELS.get(k, k.label)) for k in OPERATOR_KINDS],
         "query": {k: v for k, v in {"actor": actor, "kind": kind, "run": run_ref}.items() if v},
     }
     return page(request, "dashboard/audit.html", context, fragment="rows")

@@ -3,8 +3,11 @@ engine's coded errors into a status and a sentence."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
@@ -61,3 +64,28 @@ def explain(exc: DurabilityError) -> str:
 def nothing(request: HttpRequest) -> HttpResponse:
     """A poll that found nothing new: 204 leaves the page exactly as it is."""
     return HttpResponse(status=204)
+
+
+@contextmanager
+def snapshot() -> Iterator[None]:
+    """Every query inside reads the database as of one moment: a page drawn from several
+    queries (header, checkpoints, timeline, inspector) then shows one head, never a header
+    that saw a commit the checkpoint list did not. PostgreSQL needs REPEATABLE READ for that
+    (READ COMMITTED takes a new snapshot per statement); SQLite's read transaction already is
+    one. Inside an outer transaction (tests) the outer one decides."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        yield
+
+
+def rendered(response: HttpResponse) -> HttpResponse:
+    """Render a template response now (inside a snapshot), not after the view returns."""
+    render = getattr(response, "render", None)
+    if render is not None:
+        render()
+    return response

@@ -74,7 +74,13 @@ def diff(request: HttpRequest, ref: str) -> HttpResponse:
         "swap_url": f"{here}?{urlencode(_swapped(base, layout))}",
         "related": _related(a_run, b_run),
     }
-    return page(request, "dashboard/diff.html", context, fragment="result")
+    response = page(request, "dashboard/diff.html", context, fragment="result")
+    if request.htmx:
+        # The address bar names the pair compared (defaults filled in), so the address
+        # after "Compare" opens this same diff for whoever it is sent to.
+        shared = {**base, "view": layout, **({"offset": str(offset)} if offset else {})}
+        response["HX-Push-Url"] = f"{here}?{urlencode(shared)}"
+    return response
 
 
 def _swapped(base: dict[str, str], layout: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ from django.views.decorators.http import require_GET
 from dashboard import diffview, params, present, runinfo, states, timeline
 from dashboard.forms import ReasonForm, SendForm
 from dashboard.permissions import mark_deciders
-from dashboard.views.common import nothing, page
+from dashboard.views.common import nothing, page, rendered, snapshot
 from durability.models import Checkpoint, Run, RunStatus
 from durability.redact import redact
 
@@ -51,6 +51,9 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
         "send_form": _send_form(run),
         "poll_seconds": _poll_seconds(run),
         "cursor": items.cursor.encode(),
+        # On the run's own address the inspector follows the head as it moves; a checkpoint
+        # the reader picked (its address, a click) stays put and only its head mark changes.
+        "follow": seq is None,
     }
 
 
@@ -61,9 +64,12 @@ def run_detail(request: HttpRequest, ref: str) -> HttpResponse:
         # A prefix finds the run; the page lives at its full id, a stable link to share.
         return redirect("dashboard:run", ref=str(run.id))
     tab = _tab(request)
-    if "live" in request.GET:
-        return _live(request, run)
-    return page(request, "dashboard/run.html", _context(request, run, None, tab))
+    with snapshot():
+        # One moment of the database for every region, so they all show the same head.
+        run = Run.objects.get(pk=run.pk)
+        if "live" in request.GET:
+            return rendered(_live(request, run))
+        return rendered(page(request, "dashboard/run.html", _context(request, run, None, tab)))
 
 
 def _tab(request: HttpRequest) -> str:
@@ -75,20 +81,22 @@ def checkpoint_detail(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
     """A run page with checkpoint ``seq`` in the inspector; for htmx, the inspector alone."""
     run = states.run_or_404(ref)
     tab = _tab(request)
-    if request.htmx and request.htmx.target == "inspector":
-        cp = states.checkpoint_or_404(run, seq)
-        return page(
-            request,
-            "dashboard/run.html",
-            {"run": run, "inspector": runinfo.inspector(run, cp, tab)},
-            fragment="inspector",
-        )
-    return page(request, "dashboard/run.html", _context(request, run, seq, tab))
+    with snapshot():
+        run = Run.objects.get(pk=run.pk)
+        if request.htmx and request.htmx.target == "inspector":
+            cp = states.checkpoint_or_404(run, seq)
+            context = {"run": run, "inspector": runinfo.inspector(run, cp, tab), "follow": False}
+            return rendered(page(request, "dashboard/run.html", context, fragment="inspector"))
+        return rendered(page(request, "dashboard/run.html", _context(request, run, seq, tab)))
 
 
 def _live(request: HttpRequest, run: Run) -> HttpResponse:
-    """A poll: compare what the page has with what is; send only the parts that changed,
-    appending new timeline items instead of replacing the list."""
+    """A poll: compare what the page shows with what is, and send only the regions that
+    changed, each as an out-of-band swap drawn from the same snapshot. The page says which
+    head it shows; when the head moved, every region that depends on it is sent together
+    (header, actions, new checkpoint rows, the inspector or its head mark, the timeline's
+    new items), so no region is left on the old head. Timeline items are appended, not
+    replaced, and the action forms' typed text and open panels are kept by the page."""
     header = runinfo.header_token(run)
     shown_head = params.integer(request.GET, "head", run.head_seq)
     cursor = None
@@ -99,8 +107,9 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
     approvals = mark_deciders(request.user, runinfo.pending_approvals(run))
     doubts = runinfo.in_doubt(run)
     actions = runinfo.actions_token(run, approvals, doubts)
-    changed_header = request.GET.get("live") != header
-    changed_actions = request.GET.get("acts") != actions
+    head_moved = shown_head != run.head_seq
+    changed_header = head_moved or request.GET.get("live") != header
+    changed_actions = head_moved or request.GET.get("acts") != actions
     news = cursor is not None and timeline.has_news(run, cursor)
     if not (changed_header or changed_actions or news):
         return nothing(request)
@@ -125,7 +134,7 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
     }
     if changed_header:
         context.update(
-            new_checkpoints=runinfo.checkpoints_after(run, shown_head),
+            new_checkpoints=runinfo.checkpoints_after(run, shown_head) if head_moved else [],
             head=Checkpoint.objects.filter(run=run, seq=run.head_seq).only("size").first(),
             forks=_forks(run),
             source=_source(run),
@@ -135,7 +144,26 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
             recoveries=runinfo.recoveries(run),
             failure=runinfo.failure(run),
         )
+    if head_moved:
+        context.update(_inspector_update(request, run))
     return page(request, "dashboard/run.html", context, fragment="live")
+
+
+def _inspector_update(request: HttpRequest, run: Run) -> dict:
+    """The inspector after the head moved: a following inspector moves to the new head (in
+    the tab it had); one showing a checkpoint the reader chose keeps it, open panels and
+    all, and only its head mark changes."""
+    shown = params.integer(request.GET, "inspect", run.head_seq)
+    follow = request.GET.get("follow") == "1"
+    if follow and shown != run.head_seq:
+        cp = Checkpoint.objects.filter(run=run, seq=run.head_seq).first()
+        if cp is not None:
+            return {
+                "inspector": runinfo.inspector(run, cp, _tab(request)),
+                "follow": True,
+                "send_inspector": True,
+            }
+    return {"inspected_seq": shown, "send_headmark": True}
 
 
 def _send_form(run: Run) -> SendForm | None:

@@ -63,6 +63,51 @@
   });
   document.addEventListener("htmx:load", function (event) { refreshTimes(event.target); });
 
+  // A live update replaces a region whole; what the reader was doing in it survives: text
+  // typed into its fields, the confirmation panel they opened, the field they were in.
+  let pending = null;
+  function fieldKey(el) { return el.name ? el.tagName + ":" + el.name : ""; }
+  document.addEventListener("htmx:oobBeforeSwap", function (event) {
+    const old = event.detail.target;
+    if (!old || !old.querySelectorAll) return;
+    const state = { values: {}, open: [], focus: "" };
+    old.querySelectorAll("input[type=text], textarea").forEach(function (el) {
+      if (el.value && fieldKey(el)) state.values[fieldKey(el)] = el.value;
+    });
+    old.querySelectorAll("details[open][data-keep]").forEach(function (el) {
+      state.open.push(el.getAttribute("data-keep"));
+    });
+    if (document.activeElement && old.contains(document.activeElement)) {
+      state.focus = fieldKey(document.activeElement);
+    }
+    pending = state;
+  });
+  document.addEventListener("htmx:oobAfterSwap", function (event) {
+    const state = pending;
+    pending = null;
+    const box = event.detail.target && event.detail.target.id
+      ? document.getElementById(event.detail.target.id) : null;
+    if (!state || !box) return;
+    state.open.forEach(function (name) {
+      const el = box.querySelector("details[data-keep='" + name + "']");
+      if (el) el.open = true;
+    });
+    box.querySelectorAll("input[type=text], textarea").forEach(function (el) {
+      const value = state.values[fieldKey(el)];
+      if (value !== undefined && !el.value) el.value = value;
+      if (state.focus && fieldKey(el) === state.focus) el.focus();
+    });
+  });
+
+  // The inspector follows the head while the reader only looks; once they open something
+  // in it, it stays on its checkpoint (the next live update only changes its head mark).
+  document.addEventListener("toggle", function (event) {
+    const panel = event.target.closest && event.target.closest("#inspector");
+    if (!panel || !event.target.open) return;
+    const follow = panel.querySelector("input[name=follow]");
+    if (follow) follow.value = "0";
+  }, true);
+
   document.addEventListener("DOMContentLoaded", function () {
     document.querySelectorAll("[data-stick-bottom]").forEach(function (box) {
       box.scrollTop = box.scrollHeight;
