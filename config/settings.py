@@ -342,6 +342,11 @@ DURABILITY_PREPARED_STATEMENTS = env_bool("DURABILITY_PREPARED_STATEMENTS", True
 DURABILITY_DB_WAIT_SECONDS = env_float("DURABILITY_DB_WAIT_SECONDS", 300.0)
 # Detecting tampering (not only corruption) needs a key kept outside the database.
 DURABILITY_HMAC_KEY = env_str("DURABILITY_HMAC_KEY", "")
+# Earlier keys a replay still accepts for the keyed hashes of call and effect arguments, so
+# rotating a key does not turn in-flight steps into non-determinism errors (the checkpoint
+# chain has no fallback: never change DURABILITY_HMAC_KEY without re-keying it).
+DURABILITY_HMAC_KEY_FALLBACKS = env_list("DURABILITY_HMAC_KEY_FALLBACKS", [])
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
 DURABILITY_SECRET_KEY_PATTERN = env_str("DURABILITY_SECRET_KEY_PATTERN", "")
 DURABILITY_LOCK_DIR = env_str("DURABILITY_LOCK_DIR", str(VAR_DIR / "locks"))
 

@@ -15,7 +15,9 @@ from tests.procs import ROOT
 PROBE = (
     "import os, django; os.environ['DJANGO_SETTINGS_MODULE'] = 'config.settings';"
     "django.setup(); from django.conf import settings as s;"
-    "print(repr((s.DATABASES['default']['ENGINE'], s.SECRET_KEY.startswith('insecure-'),"
+    "import pathlib; key = pathlib.Path(os.environ['DURABILITY_VAR_DIR'], 'secret-key');"
+    "print(repr((s.DATABASES['default']['ENGINE'],"
+    " key.exists() and s.SECRET_KEY == key.read_text().strip() and len(s.SECRET_KEY) >= 50,"
     " getattr(s, 'SECURE_PROXY_SSL_HEADER', None), s.SESSION_COOKIE_SECURE,"
     " s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_SECONDS, s.DURABILITY_HEARTBEAT_SECONDS)))"
 )
@@ -49,8 +51,9 @@ def test_env_example_as_is_is_the_embedded_default(tmp_path):
     done = settings_with(tmp_path, **env)
     assert done.returncode == 0, done.stderr
     figures = ast.literal_eval(done.stdout)
-    engine, insecure, proxy, session_secure, csrf_secure, hsts, heartbeat = figures
-    assert engine.endswith("sqlite3") and insecure
+    engine, generated_key, proxy, session_secure, csrf_secure, hsts, heartbeat = figures
+    # No key set: the embedded default signs with a random key of its own, kept in var/.
+    assert engine.endswith("sqlite3") and generated_key
     assert (proxy, session_secure, csrf_secure, hsts) == (None, False, False, 0)
     assert heartbeat == 10.0  # a third of the 30 s lease, not a value of its own
 
