@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from durability import Agent, dispatch, leases, operations, recovery, registry
@@ -171,6 +171,79 @@ def test_a_worker_takes_its_lock_back_as_soon_as_its_session_ends(settings):
     finally:
         keeper.stop()
     assert not leases.lock_holders([run.id])
+
+
+def _drop_my_session() -> None:
+    """The database ends this thread's session, as a restart would, while a call or an
+    effect is in flight: the function still returns its result."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        pid = cur.fetchone()[0]
+    db = connection.settings_dict
+    with psycopg.connect(
+        host=db["HOST"] or "127.0.0.1",
+        port=db["PORT"] or 5432,
+        user=db["USER"] or "postgres",
+        dbname=db["NAME"],
+        autocommit=True,
+    ) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    wait_until(lambda: pid not in _other_pids(db), timeout=10, interval=0.01)
+
+
+def _other_pids(db) -> set[int]:
+    with psycopg.connect(
+        host=db["HOST"] or "127.0.0.1",
+        port=db["PORT"] or 5432,
+        user=db["USER"] or "postgres",
+        dbname=db["NAME"],
+        autocommit=True,
+    ) as other:
+        return {row[0] for row in other.execute("SELECT pid FROM pg_stat_activity").fetchall()}
+
+
+def test_a_result_in_hand_when_the_session_drops_is_recorded_not_asked_again():
+    """A call and an effect whose session the database ended while they ran: their results
+    are recorded once it answers again. The call is not made twice, the effect not put in
+    doubt."""
+    if connection.vendor != "postgresql":
+        pytest.skip("session ended by the server: PostgreSQL")
+    from durability.models import Effect, EffectStatus
+    from durability.testing import drive
+
+    made: Counter = Counter()
+
+    def ask(prompt: str) -> dict:
+        made[prompt] += 1
+        _drop_my_session()
+        return {"answer": prompt.upper()}
+
+    def pay(amount: int, *, idempotency_key: str) -> dict:
+        made[idempotency_key] += 1
+        _drop_my_session()
+        return {"paid": amount}
+
+    def step(state, ctx):
+        state["answer"] = ctx.call("ask", ask, "hello")
+        state["receipt"] = ctx.effect("pay", pay, 5)
+
+    registry.unregister("x-in-hand")
+    Agent("x-in-hand", steps=[step])
+    run = operations.start("x-in-hand", {})
+    failure = None
+    try:
+        done = drive(run.id)
+    except DatabaseError as exc:  # the result could not be recorded
+        failure = exc
+    finally:
+        connection.close()  # whatever became of this thread's session
+    assert made["hello"] == 1, (made, failure)
+    assert failure is None, failure
+    assert done.status == RunStatus.SUCCEEDED, (done.status, done.wait_reason)
+    effect = Effect.objects.get(run=run)
+    assert made[effect.idempotency_key] == 1
+    assert effect.status == EffectStatus.DONE and effect.attempts == 1
+    assert not Event.objects.filter(run=run, kind=EventKind.EFFECT_IN_DOUBT).exists()
 
 
 # --- sweeps and busy run workers ---------------------------------------------------------------
