@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from django import forms
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from dashboard.params import ID_MAX, INT_MAX
 from dashboard.submissions import new_token
@@ -119,9 +121,27 @@ class RollbackForm(forms.Form):
                 choices=e.choices, initial="ask", required=False, label=e.what
             )
 
-    def effect_fields(self) -> list[tuple[Any, Any]]:
-        """(effect, its bound field), for the template."""
-        return [(e, self[f"effect-{e.id}"]) for e in self.effects]
+    def effect_fields(self) -> list[tuple[Any, Any, Any]]:
+        """(effect, its bound field, its select as HTML), for the template. The select is
+        built here, escaped by ``format_html``: a hundred effects rendered through the
+        widget templates cost the preview more than everything else on it."""
+        rows = []
+        for e in self.effects:
+            field = self[f"effect-{e.id}"]
+            chosen = str(field.value() or "ask")
+            options = format_html_join(
+                "",
+                '<option value="{}"{}>{}</option>',
+                (
+                    (v, mark_safe(" selected") if v == chosen else "", label)
+                    for v, label in e.choices
+                ),
+            )
+            select = format_html(
+                '<select name="{}" id="{}">{}</select>', field.html_name, field.auto_id, options
+            )
+            rows.append((e, field, select))
+        return rows
 
     def decisions(self) -> dict[int, str]:
         """The operator's per-effect choices (valid once the form is)."""

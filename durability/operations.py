@@ -558,6 +558,7 @@ class RollbackPlan:
     # Unfinished children the abandoned branch started: (id, agent, status).
     children: list[tuple[str, str, str]] = field(default_factory=list)
     messages_back: int = 0
+    message_ids: list[int] = field(default_factory=list)
 
     @property
     def preview(self) -> rollbacks.Preview:
@@ -616,11 +617,15 @@ def plan_rollback(
             run_id=run.id,
         )
     abandoned = set(on_branch) - set(_ancestors(target.parent_id, parents))
-    found = list(
-        Effect.objects.filter(run=run, base_id__in=abandoned)
+    # The run's rows, filtered here rather than by the database: the branch left behind can
+    # hold thousands of checkpoints, and as many query parameters cost more than the rows.
+    found = [
+        e
+        for e in Effect.objects.filter(run=run)
         .exclude(status__in=(EffectStatus.FAILED, EffectStatus.RETRY, EffectStatus.WOULD_RUN))
         .order_by("id")
-    )
+        if e.base_id in abandoned
+    ]
     compensated = _compensated(run, [e.pk for e in found if e.compensate])
     effects = [
         EffectDone(
@@ -643,10 +648,15 @@ def plan_rollback(
     pending = Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).count()
     children = [
         (str(c.id), c.agent, c.status)
-        for c in Run.objects.filter(parent_run=run, spawn_base_id__in=abandoned)
+        for c in Run.objects.filter(parent_run=run)
         .exclude(status__in=FINISHED)
-        .only("id", "agent", "status")
+        .only("id", "agent", "status", "spawn_base_id")
         .order_by("created_at")
+        if c.spawn_base_id in abandoned
+    ]
+    consumed = Message.objects.filter(run=run).exclude(consumed_base=None)
+    messages = [
+        pk for pk, base in consumed.values_list("id", "consumed_base_id") if base in abandoned
     ]
     return RollbackPlan(
         run=run,
@@ -656,7 +666,8 @@ def plan_rollback(
         will_run_from=target.next_step,
         abandoned=abandoned,
         children=children,
-        messages_back=Message.objects.filter(run=run, consumed_base_id__in=abandoned).count(),
+        messages_back=len(messages),
+        message_ids=messages,
     )
 
 
@@ -755,7 +766,14 @@ def rollback(
         )
         # Matches an earlier rollback's decisions made on the branch now left are undone: the
         # new branch meets those effects afresh (they are asked about again).
-        AbandonedEffect.objects.filter(run=run, settled_base_id__in=plan.abandoned).update(
+        unsettled = [
+            pk
+            for pk, base in AbandonedEffect.objects.filter(run=run)
+            .exclude(settled_base=None)
+            .values_list("id", "settled_base_id")
+            if base in plan.abandoned
+        ]
+        AbandonedEffect.objects.filter(pk__in=unsettled).update(
             settled_base=None, settled_occurrence=None
         )
         AbandonedEffect.objects.bulk_create(
@@ -772,15 +790,12 @@ def rollback(
         )
         # Unfinished children the abandoned branch spawned are cancelled; the new branch
         # spawns its own when it gets there.
-        for child in Run.objects.filter(parent_run=run, spawn_base_id__in=plan.abandoned).exclude(
-            status__in=FINISHED
-        ):
-            _cancel_tree(child.id, by=by, reason=f"parent {run.id} rolled back")
+        for child_id, _, _ in plan.children:
+            _cancel_tree(child_id, by=by, reason=f"parent {run.id} rolled back")
         # Messages the abandoned branch consumed go back to the inbox, in arrival order.
         returned = (
-            Message.objects.filter(run=run)
+            Message.objects.filter(pk__in=plan.message_ids)
             .exclude(consumed_base=None)
-            .filter(consumed_base_id__in=plan.abandoned)
             .update(consumed_base=None, consumed_occurrence=None, consumed_at=None)
         )
         finished = not target.next_step
@@ -850,6 +865,7 @@ def rollback(
         abandoned=plan.abandoned,
         children=plan.children,
         messages_back=plan.messages_back,
+        message_ids=plan.message_ids,
         checkpoint=cp,
         held=held,
         decisions=chosen,

@@ -289,14 +289,16 @@ def default_target(run: Any) -> int | None:
         cp = parents.get(cp)
     if len(branch) < 2:
         return None
-    last = (
-        Effect.objects.filter(run=run, base_id__in=branch)
+    on_branch = set(branch)
+    # Filtered here, not with thousands of query parameters (a run's effects are few).
+    bases = (
+        Effect.objects.filter(run=run)
         .exclude(status__in=(EffectStatus.FAILED, EffectStatus.WOULD_RUN, EffectStatus.RETRY))
         .exclude(key__startswith=COMPENSATION_KEY)
         .order_by("-id")
         .values_list("base_id", flat=True)
-        .first()
     )
+    last = next((b for b in bases if b in on_branch), None)
     if last is not None and last != head:
         return seq_of[last]
     return seq_of[branch[1]]
