@@ -222,6 +222,16 @@ def _event_item(e: Event) -> Item:
         undone = d.get("done_not_undone") or []
         if undone:
             item.facts.append(("effects done, not undone", str(len(undone))))
+        if d.get("held"):
+            item.facts.append(("then", "on hold until continued"))
+    elif kind == EventKind.COMPENSATED:
+        item.title = f"effect {d.get('key', '')} compensated"
+        item.detail = e.reason
+        item.facts.append(("by", str(d.get("function", "")).rsplit(".", 1)[-1]))
+        item.facts.append(("idempotency key", str(d.get("idempotency_key", ""))))
+    elif kind == EventKind.EFFECT_REUSED:
+        item.title = f"effect {d.get('key', '')}: recorded outcome reused"
+        item.detail = "the abandoned branch's outcome, same arguments: nothing sent again"
     elif kind == EventKind.FORK:
         if "fork" in d:
             item.title = f"forked from #{d.get('from', '?')}"

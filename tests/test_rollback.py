@@ -13,6 +13,7 @@ import io
 import pytest
 from django.core.management import call_command
 
+from dashboard import timeline
 from durability import operations, rollbacks
 from durability.errors import EffectFailed, InvalidInput, InvalidTransition
 from durability.models import (
@@ -151,9 +152,7 @@ def test_reuse_with_the_same_arguments_returns_the_recorded_outcome(refunded, re
 def test_reuse_with_other_arguments_is_refused_and_asked_instead(refunded, receiver, price):
     price.write_text("200")
     refund = effect(refunded, "refund")
-    operations.rollback(
-        refunded.id, 0, by="ann", and_continue=True, decisions={refund.pk: "reuse"}
-    )
+    operations.rollback(refunded.id, 0, by="ann", and_continue=True, decisions={refund.pk: "reuse"})
     run = drive(refunded.id)
     assert run.wait_detail == REPEAT_REFUND
     asked = Approval.objects.get(run=refunded, name=REPEAT_REFUND, status=ApprovalStatus.PENDING)
@@ -185,6 +184,13 @@ def test_a_ticked_compensation_runs_once_before_the_run_continues(refunded, rece
     assert receiver.requests[compensation.idempotency_key] == 1
     event = Event.objects.get(run=refunded, kind=EventKind.COMPENSATED)
     assert event.reason == "refund (A1, 349) undone"
+    # On the run's timeline, with what undid it.
+    items = timeline.latest(Run.objects.get(pk=refunded.id)).items
+    shown = [i for i in items if i.kind == event.kind]
+    assert [(i.title, i.detail) for i in shown] == [
+        ("effect refund compensated", "refund (A1, 349) undone")
+    ]
+    assert ("by", "reverse_refund") in shown[0].facts
     # Compensated, the refund is performed again without asking; the email is asked about.
     assert run.wait_detail == REPEAT_EMAIL
     assert sent(receiver, "refund") == 2
