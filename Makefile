@@ -17,12 +17,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# Migrate, static files, the admin, the demo runs, then every process (scripts/up): the
+# sign-in details come after the processes' start-up logs; Ctrl-C stops them and exits 0.
 up: install
-	$(BIN)/python manage.py migrate --noinput -v0
-	$(BIN)/python manage.py collectstatic --noinput -v0
-	$(BIN)/python manage.py ensure_admin
-	$(BIN)/python manage.py seed_demo
-	$(BIN)/honcho start -f Procfile
+	$(BIN)/python scripts/up
 
 test: install
 	scripts/test

@@ -1,7 +1,9 @@
 """The Celery app, configured from Django settings under the CELERY_ namespace."""
 
+import logging
 import os
 
+from billiard.exceptions import WorkerLostError
 from celery import Celery, signals
 
 from config import telemetry
@@ -40,3 +42,18 @@ def _export_after_each_task(**kwargs) -> None:
 @signals.worker_process_shutdown.connect
 def _telemetry_shutdown(**kwargs) -> None:
     telemetry.shutdown()
+
+
+class _WorkerLostInOneLine(logging.Filter):
+    """A pool process that dies (the demo's deliberate crash, an OOM kill) is reported by
+    the pool in one line ("Process 'ForkPoolWorker-1' pid:42 exited with 'signal 9
+    (SIGKILL)'"); Celery then logs the same loss again with a traceback of its own pool code,
+    never the task's, which only buries that line. The run itself is recovered by the
+    sweeper and says so on its page."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(isinstance(arg, WorkerLostError) for arg in args)
+
+
+logging.getLogger("celery.worker.request").addFilter(_WorkerLostInOneLine())

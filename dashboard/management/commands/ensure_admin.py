@@ -71,8 +71,10 @@ class Command(BaseCommand):
             password = keep.read_text().strip()
         else:
             password = "(unchanged; set one with: python manage.py changepassword admin)"
+        # The port the Procfile's web process binds (DURABILITY_PORT, default 8000).
+        port = os.environ.get("DURABILITY_PORT", "8000")
         self.stdout.write(
             self.style.SUCCESS(
-                f"\n  Sign in at http://127.0.0.1:8000/ as {username} / {password}\n"
+                f"\n  Sign in at http://127.0.0.1:{port}/ as {username} / {password}\n"
             )
         )
