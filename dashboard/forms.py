@@ -115,7 +115,7 @@ class RollbackForm(forms.Form):
         self.initial.setdefault("then", "hold")
         # One choice per effect done on the branch left behind: what the run does when it
         # reaches that effect again (DESIGN: "A rollback never repays on its own").
-        self.effects = list(effects or [])
+        self.effects = [e for e in effects or [] if not e.is_compensation]
         for e in self.effects:
             self.fields[f"effect-{e.id}"] = forms.ChoiceField(
                 choices=e.choices, initial="ask", required=False, label=e.what

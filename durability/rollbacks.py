@@ -51,7 +51,15 @@ class EffectDone:
         return bool(self.compensate) and not self.compensated and self.status == "done"
 
     @property
+    def is_compensation(self) -> bool:
+        """A compensation an earlier rollback ran: the new branch never reaches it again, so
+        there is nothing to decide for it."""
+        return self.key.startswith(COMPENSATION_KEY)
+
+    @property
     def what(self) -> str:
+        if self.is_compensation:
+            return f"the compensation of effect {self.key.removeprefix(COMPENSATION_KEY)}"
         return describe(self.key, self.args)
 
     @property
@@ -151,6 +159,9 @@ def sentences(
         else:
             done = f"{e.what} was done and will not be undone (it cannot be undone)"
         choice = decisions.get(e.id, "ask")
+        if e.is_compensation:
+            said.append(f"{done}.")
+            continue
         if choice == "reuse":
             then = (
                 f"if the run reaches {e.key} again with the same arguments, the recorded outcome"
@@ -204,6 +215,8 @@ def check_decisions(effects: list[EffectDone], decisions: dict[Any, Any]) -> dic
             raise ValueError(
                 f"effect {effect_id} was not done on the branch this rollback abandons"
             )
+        if effect.is_compensation:
+            raise ValueError(f"{effect.what} is not reached again: there is nothing to decide")
         if choice not in CHOICES:
             raise ValueError(
                 f"the decision for {effect.key} must be one of {', '.join(CHOICES)}, not {choice!r}"

@@ -198,6 +198,13 @@ def test_a_ticked_compensation_runs_once_before_the_run_continues(refunded, rece
     again = operations.plan_rollback(refunded.id, 1)
     first = next(e for e in again.done_not_undone if e.id == refund.pk)
     assert first.compensated and not first.can_compensate
+    # The compensation itself is listed as done, with nothing to decide for it.
+    undo = next(e for e in again.done_not_undone if e.is_compensation)
+    assert f"the compensation of effect {refund.pk} was done and will not be undone" in (
+        " ".join(again.sentences())
+    )
+    with pytest.raises(InvalidInput, match="is not reached again"):
+        operations.rollback(refunded.id, 1, decisions={undo.id: "again"})
 
 
 def test_decisions_that_do_not_fit_are_refused_and_change_nothing(refunded):
