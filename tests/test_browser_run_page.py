@@ -93,7 +93,7 @@ def test_a_message_sent_with_the_page_open_moves_every_region_to_the_new_head(we
     expect(page.locator("#inspector h2")).to_contain_text(f"Checkpoint #{before}")
     expect(page.locator("#inspector-head")).to_contain_text(f"head is {final}")
     expect(ckpts.last).to_contain_text(f"checkpoint {final}")
-    web.shoot("run")
+    web.shoot("run-live")
 
 
 PAGES = (
