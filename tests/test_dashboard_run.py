@@ -460,3 +460,20 @@ def test_the_runs_list_previews_each_input_short_escaped_and_redacted(as_operato
     assert "question: &lt;b&gt;Why&lt;/b&gt; add jitter" in preview
     assert "<b>" not in preview and "sk-live-123" not in html
     assert len(preview.split(">", 1)[1]) < 200
+
+
+def test_the_approvals_badge_follows_a_decision_without_a_reload(as_operator):
+    run = waiting_run("Badge?")
+    approval = run.approvals.get()
+    page = text_of(as_operator.get(run_url(run)))
+    assert re.search(r'<span class="count" id="nav-approvals"[^>]*>1</span>', page)
+    decided = as_operator.post(
+        reverse("dashboard:decide", args=[approval.pk]),
+        {"decision": "approve", "comment": "ok"},
+        HTTP_HX_REQUEST="true",
+        HTTP_HX_TARGET=f"approval-{approval.pk}",
+    )
+    html = text_of(decided)
+    badge = re.search(r'<span class="count" id="nav-approvals"([^>]*)>(\d+)</span>', html)
+    assert badge and badge.group(2) == "0"
+    assert "hidden" in badge.group(1) and 'hx-swap-oob="true"' in badge.group(1)
