@@ -442,9 +442,12 @@ def resume(
     expected_status: str | None = None,
     expected_version: int | None = None,
 ) -> Run:
-    """Queue a failed, cancelled or waiting run again from its head checkpoint, which must
-    verify first. ``expected_status`` and ``expected_version``: the status and version the
-    operator saw; refused (``Stale``) if either changed."""
+    """Queue a failed, cancelled or held run (on hold after a rollback: "continue") again
+    from its head checkpoint, which must verify first. A run waiting for what wakes it by
+    itself or by a decision (``WAKES_BY_ITSELF``: an approval, a message, a timer, its
+    children) is refused with what it waits for. ``expected_status`` and
+    ``expected_version``: the status and version the operator saw; refused (``Stale``) if
+    either changed."""
     with transaction.atomic():
         run = _locked(ref)
         _check_status(run, expected_status)

@@ -155,7 +155,9 @@ class Command(BaseCommand):
         p.add_argument("run")
         p.add_argument("--json", action="store_true", help="machine-readable, with the head state")
 
-        p = sub.add_parser("resume", help="queue a failed, cancelled or waiting run again")
+        p = sub.add_parser(
+            "resume", help="queue a failed or cancelled run again; continue one on hold"
+        )
         p.add_argument("run")
         _with_version(p)
 
