@@ -622,13 +622,14 @@ def plan_rollback(
     abandoned = set(on_branch) - set(_ancestors(target.parent_id, parents))
     # The run's rows, filtered here rather than by the database: the branch left behind can
     # hold thousands of checkpoints, and as many query parameters cost more than the rows.
-    found = [
-        e
-        for e in Effect.objects.filter(run=run)
+    done = list(
+        Effect.objects.filter(run=run)
         .exclude(status__in=(EffectStatus.FAILED, EffectStatus.RETRY, EffectStatus.WOULD_RUN))
         .order_by("id")
-        if e.base_id in abandoned
-    ]
+    )
+    found = [e for e in done if e.base_id in abandoned]
+    found += _still_open(run, abandoned, done, {e.pk for e in found})
+    found.sort(key=lambda e: e.pk)
     compensated = _compensated(run, [e.pk for e in found if e.compensate])
     effects = [
         EffectDone(
@@ -672,6 +673,29 @@ def plan_rollback(
         messages_back=len(messages),
         message_ids=messages,
     )
+
+
+def _still_open(
+    run: Run, abandoned: set[int], done: list[Effect], listed: set[int]
+) -> list[Effect]:
+    """Effects an earlier rollback left to be asked about whose new branch is abandoned now
+    before it performed them again (a rollback on hold rolled back again, a question left
+    pending): still done, still to be decided, so the new branch asks about them too."""
+    performed = {(e.base_id, e.key, e.occurrence) for e in done}
+    by_id = {e.pk: e for e in done}
+    still = []
+    for row in AbandonedEffect.objects.filter(run=run).only(
+        "rollback_id", "effect_id", "key", "settled_base_id", "settled_occurrence"
+    ):
+        if row.rollback_id not in abandoned or row.effect_id in listed:
+            continue  # its rollback is still on the branch (it still applies), or listed
+        if (row.settled_base_id, row.key, row.settled_occurrence) in performed:
+            continue  # decided and performed again: that effect is listed in its place
+        effect = by_id.get(row.effect_id)
+        if effect is not None and effect.pk not in listed:
+            listed.add(effect.pk)
+            still.append(effect)
+    return [e for e in still if e.pk not in _compensated(run, [e.pk])]
 
 
 def _compensated(run: Run, effect_ids: list[int]) -> set[int]:

@@ -131,6 +131,24 @@ def test_rejecting_the_second_decision_fails_the_run_and_performs_nothing(refund
     assert sent(receiver, "refund") == 1
 
 
+def test_a_second_rollback_before_the_decision_still_asks(refunded, receiver):
+    """The first rollback's question was left pending (or its run left on hold) and the run
+    rolled back again: the email the first branch sent is no longer on the path being left,
+    but it is still done and still undecided, so it is listed (and asked about) again."""
+    refund = effect(refunded, "refund")
+    operations.rollback(refunded.id, 1, by="ann", and_continue=True)
+    assert drive(refunded.id).wait_detail == REPEAT_REFUND
+    plan = operations.plan_rollback(refunded.id, 1)
+    assert [e.id for e in plan.done_not_undone] == [refund.pk, effect(refunded, "email").pk]
+    operations.rollback(refunded.id, 1, by="ann")  # on hold
+    operations.rollback(refunded.id, 1, by="ann", and_continue=True)  # again, from the hold
+    run = drive(refunded.id)
+    assert run.wait_detail == REPEAT_REFUND
+    asked = Approval.objects.get(run=refunded, name=REPEAT_REFUND, status=ApprovalStatus.PENDING)
+    assert refund.idempotency_key in asked.payload
+    assert sent(receiver, "refund") == 1
+
+
 def test_reuse_with_the_same_arguments_returns_the_recorded_outcome(refunded, receiver):
     before = state_of(refunded.id)["refunds"][0]
     refund, email = effect(refunded, "refund"), effect(refunded, "email")
