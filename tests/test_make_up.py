@@ -98,3 +98,26 @@ def test_make_up_prints_the_sign_in_last_and_ctrl_c_exits_0(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0, text[-3000:]
     assert "Stopped." in text and "Interrupt" not in text and "Error" not in text
     assert took < 15, f"stopping took {took:.1f} s"
+
+
+def test_a_lost_pool_process_is_reported_once_without_a_traceback(caplog):
+    """The pool reports a dead process in one line; Celery's second report of it, with a
+    traceback of the pool's own code, is dropped. Other task errors are still logged."""
+    import logging
+
+    from billiard.exceptions import WorkerLostError
+
+    import config.celery  # noqa: F401 (installs the filter, as every worker does)
+
+    logger = logging.getLogger("celery.worker.request")
+    caplog.set_level(logging.INFO)
+    try:
+        raise WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 2.")
+    except WorkerLostError as exc:
+        logger.error("Task handler raised error: %r", exc, exc_info=True)
+    try:
+        raise ValueError("a real bug")
+    except ValueError as exc:
+        logger.error("Task handler raised error: %r", exc, exc_info=True)
+    logged = [r.getMessage() for r in caplog.records if r.name == "celery.worker.request"]
+    assert logged == ["Task handler raised error: ValueError('a real bug')"]
