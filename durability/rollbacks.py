@@ -153,7 +153,10 @@ def sentences(
         if e.status != "done":
             done = f"{e.what} may have been done (its outcome is unknown) and is not undone"
         elif e.compensate and not e.compensated:
-            done = f"{e.what} was done and will not be undone (it can be compensated: tick it)"
+            done = (
+                f"{e.what} was done and will not be undone (it can be compensated: choose"
+                " compensate)"
+            )
         elif e.compensated:
             done = f"{e.what} was done and was already compensated by an earlier rollback"
         else:

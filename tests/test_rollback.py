@@ -263,7 +263,7 @@ def test_the_preview_says_in_words_what_will_happen(refunded):
         for s in said
     )
     default = plan.sentences()
-    assert any("(it can be compensated: tick it)" in s for s in default)
+    assert any("(it can be compensated: choose compensate)" in s for s in default)
     assert "continues at once with step pay" in plan.sentences(hold=False)[0]
     # The CLI prints the same sentences.
     out = io.StringIO()
