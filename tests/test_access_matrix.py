@@ -2,7 +2,7 @@
 the dashboard's URLconf (read from it, so a new route fails here until it is given a row),
 with GET and POST each, POSTs made directly with a valid form rather than through buttons.
 
-The rule, as the README states it: an anonymous caller is sent to sign in; a signed-in
+The rule, as docs/security.md states it: an anonymous caller is sent to sign in; a signed-in
 account with neither role (a member of a policy group only, too) gets a 403 that says whom to
 ask; viewers read every page; operators and superusers act; deciding an approval needs the
 operator role, and an approval whose policy names a group is decided only by the operators in
