@@ -1,6 +1,6 @@
 """The engine's benchmarks: ``python -m bench.checkpoint [--quick] [--only PARTS]``.
 
-Parts (issue #2, "Performance"): overhead, storage, rebuild, recovery (a pool process
+Parts (see docs/performance.md): overhead, storage, rebuild, recovery (a pool process
 killed), node-recovery (a whole worker killed), throughput, tracing, and the soak
 (``--soak SECONDS``). Every figure is a ratio to a baseline measured in the same run,
 or a median/percentile: the machine is shared and noisy, so no single timing means much.
@@ -56,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="run the oversubscribed-CPU soak this long (0: off; the issue asks for 600)",
+        help="run the oversubscribed-CPU soak this long (0: off; docs/performance.md quotes 600)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the engine loop and rebuild"

@@ -1,4 +1,4 @@
-"""The dashboard's performance (issue 4): ``python -m bench.dashboard [--runs N] ...``.
+"""The dashboard's performance: ``python -m bench.dashboard [--runs N] ...``.
 
 1. Seeds a database of its own with ``--runs`` runs (default 100,000) and about
    ``--checkpoints`` checkpoints (default 1,000,000), checkpoints per run Zipf-distributed;
@@ -565,7 +565,7 @@ def seed_diff_run(copier: Copier, rnd: random.Random, first_id: int, now: dateti
                 "count": len(canonical.loads(ops_bytes)),
             },
         )
-        # Both stored whole: the page pays two full rebuilds, as the issue asks.
+        # Both stored whole: the page pays two full rebuilds, its worst case.
         copier.add(
             "snapshot",
             {

@@ -1,6 +1,6 @@
 """Overhead per step: the engine's step loop minus the same step functions in a plain loop.
 
-Definitions (issue #2, "Performance"): everything the engine does per step is included
+Definitions: everything the engine does per step is included
 (context, serialise, diff, hash, validate, commit, snapshot policy), at the strict level
 (synchronous_commit on). The floor is one INSERT + COMMIT of 1 KB on the same database,
 measured in the same run, interleaved with the engine runs so that a noisy neighbour

@@ -1,4 +1,4 @@
-"""The rollback preview's cost (issue 16): ``python -m bench.rollback_preview [--requests N]``.
+"""The rollback preview's cost: ``python -m bench.rollback_preview [--requests N]``.
 
 Makes a run with 1,000 checkpoints and 100 effects (one every tenth step) through the engine,
 in a database of its own, then serves the app with gunicorn on 127.0.0.1 and times the

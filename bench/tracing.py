@@ -8,7 +8,7 @@ pair). The host's speed drifts by tens of percent within a minute, so each trace
 compared with the untraced batch next to it, and the figure is the median of those ratios.
 The worker's CPU time per step (its pool process, every thread, from /proc) is printed too.
 
-Target (issue #5): at most 1.10x, no span dropped.
+Target: at most 1.10x, no span dropped.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Before: every checkpoint's state hash was the SHA-256 of its whole canonical state. After:
 a checkpoint stored as a patch on its parent hashes the parent's state hash and the patch
 (``canonical.patched``), and every snapshot carries a digest binding it to its checkpoint's
-state hash (``canonical.seal``). See README, "Integrity is checkable".
+state hash (``canonical.seal``). See docs/architecture.md, "Hashes and verify".
 
 Existing checkpoints are re-sealed run by run, in the order verify walks them: each one is
 first checked under the rule it was written with, and only what checks out is rewritten. A
