@@ -12,7 +12,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 app = Celery("durability")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["workers"])
+# Each app's tasks.py: the runs' tasks in workers, the notification task in dashboard.
+app.autodiscover_tasks(["workers", "dashboard"])
 
 
 # The SDK's export threads do not survive a fork: each pool process sets telemetry up.

@@ -11,9 +11,5 @@ class DashboardConfig(AppConfig):
 
         from config.env import private_sqlite_files
 
-        # Registers the notification task with Celery in every process that loads Django,
-        # workers included (Celery's autodiscovery only imports workers.tasks).
-        from workers import notifications  # noqa: F401
-
         # The embedded default's database holds password hashes and sessions: 0600.
         connection_created.connect(private_sqlite_files, dispatch_uid="config.private_sqlite")

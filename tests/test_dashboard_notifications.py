@@ -16,11 +16,11 @@ from django.utils import timezone
 
 from dashboard import notifications
 from dashboard.models import Notification, NotificationStatus
+from dashboard.tasks import notify
 from durability import operations
 from durability.models import Approval, Event, EventKind, Run
 from durability.testing import drive, wait_until
 from tests.dashboard_helpers import as_operator, dash_agents, operator, text_of, waiting_run
-from workers.notifications import notify
 
 pytestmark = pytest.mark.django_db(transaction=True)
 __all__ = ["as_operator", "dash_agents", "operator"]

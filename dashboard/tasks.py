@@ -1,7 +1,7 @@
 """The notification beat task: thin, as tasks here are; the work is dashboard.notifications.
 
-Registered when the dashboard app loads (dashboard/apps.py imports this module), scheduled by
-beat when a channel is configured (config/settings.py, "Dashboard")."""
+Celery's autodiscovery imports this module (config/celery.py); beat schedules it when a
+channel is configured and routes it to the housekeeping queue (config/settings.py)."""
 
 from __future__ import annotations
 
