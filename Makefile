@@ -28,6 +28,7 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-logo --no-cache
 
 bench: install
 	$(BIN)/python -m bench.checkpoint
