@@ -2,7 +2,8 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from config.metrics import health_view, metrics_view
+from config.health import health_view
+from durability.metrics import metrics_view
 
 urlpatterns = [
     path("admin/", admin.site.urls),

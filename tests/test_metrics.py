@@ -76,7 +76,7 @@ def test_a_metrics_token_is_required_when_set(settings):
 
 
 def test_an_answer_is_kept_for_the_cache_period(settings):
-    from config import metrics
+    from durability import metrics
 
     metrics._cached = None
     settings.DURABILITY_METRICS_CACHE_SECONDS = 0.5

@@ -219,15 +219,3 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
                 _cached = (now, _render())
             body = _cached[1]
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
-
-
-def health_view(request: HttpRequest) -> HttpResponse:
-    """For load balancers: 200 when the database answers, 503 when it does not."""
-    try:
-        with connection.cursor() as cur:
-            cur.execute("SELECT 1")
-    except Exception as exc:  # any failure to reach the database is "unhealthy"
-        return HttpResponse(
-            f"database unreachable: {type(exc).__name__}\n", status=503, content_type="text/plain"
-        )
-    return HttpResponse("ok\n", content_type="text/plain")
