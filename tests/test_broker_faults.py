@@ -102,10 +102,11 @@ def test_redis_restarted_mid_run(redis_cluster, llm):
     assert llm.total == 18 and set(llm.prompts.values()) == {1}
 
 
-def test_a_broker_that_hangs_does_not_hold_an_operator(tmp_path):
+def test_a_broker_that_hangs_does_not_hold_an_operator(tmp_path, redis_cluster):
     """A Redis that accepts connections and never answers: starting a run still returns
     (the run is queued in PostgreSQL, its doorbell left to the sweeper) instead of hanging
-    in kombu's and redis-py's retries."""
+    in kombu's and redis-py's retries. The module's sweeper, on a broker that works, then
+    rings it and it runs."""
     import os
     import socket
     import sys
@@ -139,5 +140,5 @@ def test_a_broker_that_hangs_does_not_hold_an_operator(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "the broker did not take the message within 1 s" in done.stderr
     assert took < 30  # the ring's own limit and the process's start-up, not minutes
-    run = Run.objects.get()
-    assert run.status == RunStatus.QUEUED
+    run = Run.objects.get()  # in PostgreSQL, though no broker ever took its message
+    all_succeed([run.id])
