@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -185,9 +189,18 @@ class Cluster:
         return self.beat.start()
 
     def stop(self) -> None:
-        for proc in [*self.workers, self.beat, self.housekeeping]:
-            if proc is not None:
-                proc.stop()
+        procs = [p for p in [*self.workers, self.beat, self.housekeeping] if p is not None]
+        # Every process shuts down at once, not one after the other's warm shutdown.
+        for proc in procs:
+            if proc.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if proc.popen is not None:
+                    proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            proc.stop()
 
 
 @pytest.fixture(scope="module")

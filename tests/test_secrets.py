@@ -81,7 +81,10 @@ def worker(cluster, receiver, tmp_path_factory):
     )
     proc = cluster.worker()
     cluster.start_beat()
-    return proc, folder
+    yield proc, folder
+    # While the span receiver still answers: stopped after it, the processes retry their
+    # last export against a closed port until the SDK's timeouts end it (about 25 s).
+    cluster.stop()
 
 
 def legacy_hash(args: tuple, kwargs: dict) -> str:
