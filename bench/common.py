@@ -95,7 +95,7 @@ def execute_until_done(run_id: Any, should_stop: Callable[[], bool] | None = Non
 def truncate_product_tables() -> None:
     """A clean slate between parts: TRUNCATE gives every table new, empty files, so sizes
     measured afterwards hold only what the next part writes."""
-    from django.db import connection
+    from django.db import OperationalError, connection
 
     with connection.cursor() as cur:
         cur.execute(
@@ -103,10 +103,19 @@ def truncate_product_tables() -> None:
             " AND tablename LIKE 'durability\\_%'"
         )
         names = [row[0] for row in cur.fetchall()]
-        if names:
-            cur.execute(
-                "TRUNCATE " + ", ".join(f'"{n}"' for n in names) + " RESTART IDENTITY CASCADE"
-            )
+        if not names:
+            return
+        statement = "TRUNCATE " + ", ".join(f'"{n}"' for n in names) + " RESTART IDENTITY CASCADE"
+        # A worker's background thread may still be writing what the last batch left (a
+        # snapshot): TRUNCATE locks table after table and can deadlock with it; the server
+        # then aborts one of the two, and this side simply tries again.
+        for attempt in range(5):
+            try:
+                cur.execute(statement)
+                return
+            except OperationalError as exc:
+                if getattr(exc.__cause__, "sqlstate", "") != "40P01" or attempt == 4:
+                    raise
 
 
 def fmt_ratio(value: float) -> str:

@@ -1132,7 +1132,7 @@ class Records:
         return cls({}, {}, {}, {}, {})
 
     @classmethod
-    def load(cls, base_id: int) -> Records:
+    def load(cls, base_id: int, run_id: Any) -> Records:
         return cls(
             journal={
                 (e.key, e.occurrence): e for e in JournalEntry.objects.filter(base_id=base_id)
@@ -1155,7 +1155,9 @@ class Records:
                 )
             },
             compensations=list(
-                AbandonedEffect.objects.filter(rollback_id=base_id, choice=Repeat.COMPENSATE)
+                AbandonedEffect.objects.filter(
+                    run_id=run_id, rollback_id=base_id, choice=Repeat.COMPENSATE
+                )
                 .select_related("effect")
                 .order_by("effect_id")
             ),

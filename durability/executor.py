@@ -426,7 +426,7 @@ class Execution:
             return self._fail(exc, integrity=True)
         except DurabilityError as exc:
             return self._fail(exc)
-        records = Records.load(self.base_id)
+        records = Records.load(self.base_id, self.run_id)
         while True:
             step = self.pc
             if not step:
@@ -485,7 +485,7 @@ class Execution:
                 self.live = canonical.loads(self.start_bytes)
                 self.counters.clear()
                 self.counters.update(self.step_start_counters)
-                records = Records.load(self.base_id)
+                records = Records.load(self.base_id, self.run_id)
                 continue
             if outcome is not None:
                 return outcome

@@ -416,16 +416,28 @@ class AbandonedEffect(models.Model):
     step finds the same match); until a decision says otherwise the run asks before it
     performs it again."""
 
+    # One index serves every read (a run's rows, by key, a rollback's with its run): the
+    # unique constraint below, led by the run. The table holds rows only for rollbacks past
+    # done effects, so the deletes that reach it through ``rollback``, ``effect`` or
+    # ``settled_base`` (a run's retention, a compaction) scan it rather than keep an index
+    # each, which every deployment would carry, empty, in its storage.
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
     # The head the rollback made: its descendants are the new branch.
-    rollback = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+")
-    effect = models.ForeignKey(Effect, on_delete=models.CASCADE, related_name="+")
+    rollback = models.ForeignKey(
+        Checkpoint, on_delete=models.CASCADE, related_name="+", db_index=False
+    )
+    effect = models.ForeignKey(Effect, on_delete=models.CASCADE, related_name="+", db_index=False)
     key = models.CharField(max_length=200)
     choice = models.CharField(max_length=16, choices=Repeat.choices, default=Repeat.ASK)
     decided_by = models.CharField(max_length=150, blank=True, default="")
     settled_base = models.ForeignKey(
-        Checkpoint, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        Checkpoint,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
     )
     settled_occurrence = models.IntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -433,9 +445,11 @@ class AbandonedEffect(models.Model):
     class Meta:
         ordering = ["id"]
         constraints = [
-            models.UniqueConstraint(fields=["rollback", "effect"], name="abandoned_effect_once"),
+            # Once per rollback and effect (the run and key are the effect's own).
+            models.UniqueConstraint(
+                fields=["run", "key", "rollback", "effect"], name="abandoned_effect_once"
+            ),
         ]
-        indexes = [models.Index(fields=["run", "key"], name="abandoned_effect_run_key")]
 
 
 class ApprovalStatus(models.TextChoices):

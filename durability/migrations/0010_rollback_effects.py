@@ -80,6 +80,7 @@ class Migration(migrations.Migration):
                 (
                     "effect",
                     models.ForeignKey(
+                        db_index=False,
                         on_delete=django.db.models.deletion.CASCADE,
                         related_name="+",
                         to="durability.effect",
@@ -88,6 +89,7 @@ class Migration(migrations.Migration):
                 (
                     "rollback",
                     models.ForeignKey(
+                        db_index=False,
                         on_delete=django.db.models.deletion.CASCADE,
                         related_name="+",
                         to="durability.checkpoint",
@@ -106,6 +108,7 @@ class Migration(migrations.Migration):
                     "settled_base",
                     models.ForeignKey(
                         blank=True,
+                        db_index=False,
                         null=True,
                         on_delete=django.db.models.deletion.SET_NULL,
                         related_name="+",
@@ -115,10 +118,9 @@ class Migration(migrations.Migration):
             ],
             options={
                 "ordering": ["id"],
-                "indexes": [models.Index(fields=["run", "key"], name="abandoned_effect_run_key")],
                 "constraints": [
                     models.UniqueConstraint(
-                        fields=("rollback", "effect"), name="abandoned_effect_once"
+                        fields=("run", "key", "rollback", "effect"), name="abandoned_effect_once"
                     )
                 ],
             },
