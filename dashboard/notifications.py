@@ -30,7 +30,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from dashboard.models import Channel, Notification, NotificationKind, NotificationStatus
-from durability import approvals
+from durability import approvals, canonical
 from durability.models import Approval, ApprovalStatus, Event, EventKind, Run
 
 log = logging.getLogger(__name__)
@@ -65,14 +65,6 @@ def run_url(run_id: Any) -> str:
     return base + reverse("dashboard:run", args=[run_id])
 
 
-def _data(text: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 @dataclass
 class Message:
     key: str
@@ -100,7 +92,7 @@ class Message:
 
 def _from_event(event: Event) -> Message | None:
     run = event.run
-    data = _data(event.data)
+    data = canonical.loads_object(event.data)
     who = f"{run.agent}@{run.agent_version} run {run.short_id}"
     kind = KINDS[event.kind]
     if kind == APPROVAL_EDITED:

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db.models import F
 
 from dashboard import diffview, present, states
+from durability import canonical
 from durability.models import (
     FINISHED,
     Approval,
@@ -332,7 +333,7 @@ def recoveries(run: Run) -> list[Recovery]:
     found = list(events.filter(kind=EventKind.RECOVERED).order_by("-id")[:RECOVERIES_SHOWN])
     shown = []
     for r in found:
-        data = _json(r.data)
+        data = canonical.loads_object(r.data)
         until = (
             events.filter(kind=EventKind.CLAIMED, id__gt=r.id)
             .order_by("id")
@@ -362,14 +363,6 @@ def recoveries(run: Run) -> list[Recovery]:
     return shown
 
 
-def _json(text: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 @dataclass
 class Failure:
     """A failed run's error, its traceback (written through the redaction gate), and where
@@ -391,7 +384,7 @@ def failure(run: Run) -> Failure | None:
         .values_list("data", "step")
         .first()
     )
-    data, step = (_json(event[0]), event[1]) if event else ({}, "")
+    data, step = (canonical.loads_object(event[0]), event[1]) if event else ({}, "")
     return Failure(
         code=run.error_code,
         error=run.error,

@@ -8,7 +8,6 @@ opened or scrolled to moves.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 
 from dashboard import params
-from durability import approvals
+from durability import approvals, canonical
 from durability.models import (
     CallKind,
     Effect,
@@ -103,16 +102,6 @@ class Item:
         return (self.at, self.order, self.ident)
 
 
-def _data(text: str) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def human_ms(ms: Any) -> str:
     if ms is None:
         return "?"
@@ -149,7 +138,7 @@ def human_bytes(n: Any) -> str:
 
 
 def _event_item(e: Event) -> Item:
-    d = _data(e.data)
+    d = canonical.loads_object(e.data)
     item = Item(
         e.created_at,
         1,
@@ -291,7 +280,7 @@ def _event_items(e: Event) -> list[Item]:
     paying again (the event that ended the step names them: see durability.executor)."""
     event = _event_item(e)
     carrier = e.kind in _REPLAY_CARRIERS and '"replayed"' in e.data
-    replayed = _data(e.data).get("replayed") if carrier else None
+    replayed = canonical.loads_object(e.data).get("replayed") if carrier else None
     if not isinstance(replayed, list):
         return [event]
     items = []
@@ -318,7 +307,7 @@ def _event_items(e: Event) -> list[Item]:
 
 
 def _call_item(j: JournalEntry) -> Item:
-    meta = _data(j.meta)
+    meta = canonical.loads_object(j.meta)
     title = f"call {j.key}" if j.kind == CallKind.CALL else f"{j.get_kind_display()}()"
     item = Item(
         j.created_at,

@@ -53,6 +53,18 @@ def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 
 
+def loads_object(text: str) -> dict:
+    """A stored JSON object such as an event's data, or ``{}`` when the text is empty, not
+    JSON, or not an object: readers of the timeline take what they know and skip the rest."""
+    if not text:
+        return {}
+    try:
+        value = orjson.loads(text)
+    except ValueError:  # orjson.JSONDecodeError is one
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def check_json(value: Any, *, what: str = "value", path: str = "") -> None:
     """Walk ``value`` and refuse what orjson would silently change (NaN, infinities, tuples,
     non-string keys, integers beyond 64 bits) or cannot represent."""

@@ -613,26 +613,8 @@ class Context:
         kwargs: dict,
     ) -> Any:
         """Record the abandoned effect's outcome as this one's, performing nothing."""
-        args_json, _ = redact(_jsonable([list(args), kwargs]), self.secrets)
-        rec = Effect(
-            run_id=self.run_id,
-            base_id=self._base_id,
-            key=key,
-            occurrence=occ,
-            step=self.step,
-            function=fname,
-            args=canonical.dumps(args_json).decode(),
-            args_hash=ahash.value,
-            idempotency_key=f"{self.run_id}:{self._base_id}:{key}:{occ}",
-            status=EffectStatus.DONE,
-            result=old.result,
-            completed_at=timezone.now(),
-            compensate=old.compensate,
-            resolution_note=f"reused the recorded outcome of effect {old.pk} (abandoned branch)",
-        )
-        with transaction.atomic():
-            self._fence()
-            rec.save(force_insert=True)
+
+        def reused(rec: Effect) -> None:
             Event.objects.create(
                 run_id=self.run_id,
                 kind=EventKind.EFFECT_REUSED,
@@ -648,7 +630,21 @@ class Context:
                     }
                 ).decode(),
             )
-        self._records.effects[(key, occ)] = rec
+
+        self._new_effect(
+            key,
+            occ,
+            fname,
+            ahash,
+            args,
+            kwargs,
+            EffectStatus.DONE,
+            compensate=old.compensate,
+            then=reused,
+            result=old.result,
+            completed_at=timezone.now(),
+            resolution_note=f"reused the recorded outcome of effect {old.pk} (abandoned branch)",
+        )
         telemetry.note("effect.reused", key=key, source=old.pk)
         return canonical.loads(old.result) if old.result else None
 
@@ -713,9 +709,12 @@ class Context:
         *,
         idempotent: bool = False,
         compensate: str = "",
+        then: Callable[[Effect], None] | None = None,
+        **recorded: Any,
     ) -> Effect:
-        """Record an effect (its intent, or what a what-if fork would have run), fenced: a
-        worker that lost its lease records nothing."""
+        """Record an effect (its intent, what a what-if fork would have run, or an outcome
+        reused: ``recorded`` fields), fenced: a worker that lost its lease records nothing.
+        ``then`` writes in the same transaction, once the row has its id."""
         args_json, _ = redact(_jsonable([list(args), kwargs]), self.secrets)
         rec = Effect(
             run_id=self.run_id,
@@ -730,10 +729,13 @@ class Context:
             idempotent=idempotent,
             status=status,
             compensate=compensate,
+            **recorded,
         )
         with transaction.atomic():
             self._fence()
             rec.save(force_insert=True)
+            if then is not None:
+                then(rec)
         self._records.effects[(key, occ)] = rec
         return rec
 

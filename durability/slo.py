@@ -17,7 +17,6 @@ series are small and computed here, which also serves SQLite.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from django.db import connection
 from django.db.models import Aggregate, Count, FloatField, Q, QuerySet, Sum
 from django.utils import timezone
 
+from durability import canonical
 from durability.models import (
     Approval,
     ApprovalStatus,
@@ -175,14 +175,6 @@ class Span:
         return min(self.buckets - 1, int((when - self.start) / self.width))
 
 
-def _data(text: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _events(span: Span, agent: str | None) -> QuerySet[Event]:
     rows = Event.objects.filter(created_at__gte=span.start, created_at__lt=span.end)
     return rows.filter(run__agent=agent) if agent else rows
@@ -241,7 +233,7 @@ def _commit_success(span: Span, agent: str | None, target: float) -> Indicator:
     checkpoints = events.filter(kind=EventKind.CHECKPOINT)
     good = checkpoints.count()
     failures = [
-        (e.created_at, float(_data(e.data).get("failed_commits", 1) or 1))
+        (e.created_at, float(canonical.loads_object(e.data).get("failed_commits", 1) or 1))
         for e in events.filter(kind=EventKind.COMMIT_FAILED).only("created_at", "data")
     ]
     bad = int(sum(v for _, v in failures))
@@ -319,7 +311,7 @@ def _commit_latency(span: Span, agent: str | None, target_ms: float) -> Indicato
 
 def _recovered(span: Span, agent: str | None) -> list[tuple[Event, dict]]:
     rows = _events(span, agent).filter(kind=EventKind.RECOVERED).select_related("run")
-    return [(e, _data(e.data)) for e in rows.order_by("id")]
+    return [(e, canonical.loads_object(e.data)) for e in rows.order_by("id")]
 
 
 def _timing(
