@@ -454,6 +454,7 @@ class Context:
         idempotent: bool = False,
         reconcile: Callable[[str], Any] | None = None,
         compensate: Callable[..., Any] | None = None,
+        label: str = "",
         **kwargs: Any,
     ) -> Any:
         """Perform a side effect at most once per identity.
@@ -469,6 +470,10 @@ class Context:
         past it. A function at the top level of one of the agent's own modules (it is stored
         by name), called as ``compensate(result, *args, idempotency_key=..., **kwargs)``
         with the effect's recorded result and arguments; it runs as an effect of its own.
+
+        ``label``: what the effect does in the customer's terms ("refund 349 EUR on order
+        A-1001"); rollback previews and the second-decision question say it instead of the
+        key and the arguments (at most 200 characters).
 
         After a rollback, an effect with the key of one done on the abandoned branch is not
         performed again without a second decision (``_after_rollback``)."""
@@ -506,7 +511,7 @@ class Context:
                     return value
             return self._perform(rec, fn, args, kwargs)
         if not key.startswith(rollbacks.COMPENSATION_KEY):
-            outcome = self._after_rollback(key, occ, fname, ahash, args, kwargs)
+            outcome = self._after_rollback(key, occ, fname, ahash, args, kwargs, label)
             if outcome is not _PERFORM:
                 return outcome
         rec = self._new_effect(
@@ -519,6 +524,7 @@ class Context:
             EffectStatus.PENDING,
             idempotent=idempotent,
             compensate=undo,
+            label=str(label)[:200],
         )
         fault("after_intent", run=self.run_id, step=self.step, key=key, seq=self.seq)
         return self._perform(rec, fn, args, kwargs)
@@ -526,7 +532,14 @@ class Context:
     # --- after a rollback -----------------------------------------------------------------
 
     def _after_rollback(
-        self, key: str, occ: int, fname: str, ahash: ArgsHash, args: tuple, kwargs: dict
+        self,
+        key: str,
+        occ: int,
+        fname: str,
+        ahash: ArgsHash,
+        args: tuple,
+        kwargs: dict,
+        label: str = "",
     ) -> Any:
         """A new effect: if a rollback abandoned one with this key, do what it said (reuse the
         recorded outcome, perform again) or ask an operator, with both argument sets side by
@@ -541,8 +554,8 @@ class Context:
             return self._reuse(old, key, occ, fname, ahash, args, kwargs)
         now_args, _ = redact(_jsonable([list(args), kwargs]), self.secrets)
         then_args = canonical.loads(old.args) if old.args else None
-        before = rollbacks.describe(key, then_args)
-        after = rollbacks.describe(key, now_args)
+        before = old.label or rollbacks.describe(key, then_args)
+        after = label or rollbacks.describe(key, now_args)
         done = "was done" if old.status == EffectStatus.DONE else "may have been done"
         question = f"{before} {done} on the abandoned branch; perform {after}?"
         if match.choice == Repeat.REUSE:
@@ -675,7 +688,7 @@ class Context:
                     seq=self.seq,
                     step=self.step,
                     worker=self.worker,
-                    reason=f"{rollbacks.describe(old.key, [args, kwargs])} undone",
+                    reason=f"{old.label or rollbacks.describe(old.key, [args, kwargs])} undone",
                     data=canonical.dumps(
                         {
                             "compensation": done.pk,

@@ -373,6 +373,9 @@ class Effect(models.Model):
     args = models.TextField(blank=True, default="", help_text="canonical JSON, redacted")
     args_hash = models.CharField(max_length=64, blank=True, default="")
     idempotency_key = models.CharField(max_length=255, unique=True)
+    # What the effect does in the customer's terms ("refund 349 EUR on order A-1001"), as the
+    # agent put it; rollback previews and questions say this instead of key and arguments.
+    label = models.CharField(max_length=200, blank=True, default="")
     idempotent = models.BooleanField(default=False)
     status = models.CharField(
         max_length=16, choices=EffectStatus.choices, default=EffectStatus.PENDING

@@ -643,6 +643,7 @@ def plan_rollback(
             args=canonical.loads(e.args) if e.args else None,
             result=canonical.loads(e.result) if e.result else None,
             compensate=e.compensate,
+            label=e.label,
             compensated=e.pk in compensated,
         )
         for e in found

@@ -43,6 +43,8 @@ class EffectDone:
     args: Any = None
     result: Any = None
     compensate: str = ""
+    # The agent's words for it (``ctx.effect(label=...)``), when it gave some.
+    label: str = ""
     # A compensation of this effect already ran (an earlier rollback): not offered again.
     compensated: bool = False
 
@@ -60,7 +62,7 @@ class EffectDone:
     def what(self) -> str:
         if self.is_compensation:
             return f"the compensation of effect {self.key.removeprefix(COMPENSATION_KEY)}"
-        return describe(self.key, self.args)
+        return self.label or describe(self.key, self.args)
 
     @property
     def choices(self) -> list[tuple[str, str]]:

@@ -372,12 +372,22 @@ def act(state, ctx):
             amount = float(approved)
         # A refund can be reversed; the email below cannot be unsent.
         receipt = ctx.effect(
-            "refund", tools.refund, order.get("order_id"), amount, compensate=tools.reverse_refund
+            "refund",
+            tools.refund,
+            order.get("order_id"),
+            amount,
+            compensate=tools.reverse_refund,
+            label=f"refund {amount:g} EUR on order {order.get('order_id')}",
         )
         observation = {**receipt, "status": "refund_done"}
     elif tool == "reply":
         receipt = ctx.effect(
-            "reply", tools.send_email, state["customer"], "Your request", args.get("text", "")
+            "reply",
+            tools.send_email,
+            state["customer"],
+            "Your request",
+            args.get("text", ""),
+            label=f"email to {state['customer']}",
         )
         state["messages"].append({"role": "tool", "content": json.dumps(receipt)})
         state["resolution"] = args.get("text", "")

@@ -244,7 +244,13 @@ def look(state, ctx):
 
 @refunds.step
 def pay(state, ctx):
-    receipt = ctx.effect("refund", refund_effect, "A1", state["amount"], compensate=reverse_refund)
+    # With "labelled", the agent says what the refund is in the customer's terms.
+    label = (
+        f"refund {state['amount']:g} EUR on order A1" if (ctx.input or {}).get("labelled") else ""
+    )
+    receipt = ctx.effect(
+        "refund", refund_effect, "A1", state["amount"], compensate=reverse_refund, label=label
+    )
     state["refunds"].append(receipt)
     return "mail"
 

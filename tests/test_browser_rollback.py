@@ -62,10 +62,10 @@ def test_roll_back_the_refund_run_and_nothing_is_paid_twice_without_a_second_dec
     page.locator("#rollback-picker button").click()
     expect(page.locator("h1")).to_contain_text(f"to checkpoint #{before_refund}")
     table = page.locator("table.effects-undo")
-    expect(table.locator("tr", has_text="refund (A-1001, 89)")).to_contain_text(
+    expect(table.locator("tr", has_text="refund 89 EUR on order A-1001")).to_contain_text(
         "can be compensated"
     )
-    expect(table.locator("tr", has_text="reply (ada@example.com")).to_contain_text(
+    expect(table.locator("tr", has_text="email to ada@example.com")).to_contain_text(
         "cannot be undone"
     )
     preview = page.locator("#rollback-preview")
@@ -87,8 +87,8 @@ def test_roll_back_the_refund_run_and_nothing_is_paid_twice_without_a_second_dec
     assert outbox() == (1, 1)
     web.go("/approvals/")
     card = page.locator(f"#approval-{again.pk}")
-    expect(card).to_contain_text("refund (A-1001, 89) was done on the abandoned branch;")
-    expect(card).to_contain_text("perform refund (A-1001, 89)?")
+    expect(card).to_contain_text("refund 89 EUR on order A-1001 was done on the abandoned branch;")
+    expect(card).to_contain_text("perform refund 89 EUR on order A-1001?")
     expect(card).to_contain_text("to perform now")
     assert outbox() == (1, 1)
 

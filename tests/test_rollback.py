@@ -88,6 +88,21 @@ def test_a_rollback_leaves_the_run_on_hold_and_continue_runs_it(refunded, receiv
     assert (sent(receiver, "refund"), sent(receiver, "email")) == (1, 1)
 
 
+def test_an_effect_the_agent_labelled_is_previewed_and_asked_about_in_its_words(receiver, price):
+    run = drive(operations.start("test-refund", {"price_file": str(price), "labelled": True}).id)
+    said = operations.plan_rollback(run.id, 0).sentences()
+    assert any(s.startswith("refund 349 EUR on order A1 was done") for s in said), said
+    price.write_text("200")
+    operations.rollback(run.id, 0, by="ann", and_continue=True)
+    drive(run.id)
+    asked = Approval.objects.get(run=run, name=REPEAT_REFUND, status=ApprovalStatus.PENDING)
+    assert operations.canonical.loads(asked.payload)["question"] == (
+        "refund 349 EUR on order A1 was done on the abandoned branch;"
+        " perform refund 200 EUR on order A1?"
+    )
+    assert sent(receiver, "refund") == 1
+
+
 def test_roll_back_and_continue_is_an_explicit_choice(refunded, receiver):
     result = operations.rollback(refunded.id, 1, by="ann", and_continue=True)
     assert not result.held and Run.objects.get(pk=refunded.id).status == RunStatus.QUEUED

@@ -12,6 +12,11 @@ class Migration(migrations.Migration):
     operations = [
         migrations.AddField(
             model_name="effect",
+            name="label",
+            field=models.CharField(blank=True, default="", max_length=200),
+        ),
+        migrations.AddField(
+            model_name="effect",
             name="compensate",
             field=models.CharField(blank=True, db_default="", default="", max_length=300),
         ),
