@@ -19,7 +19,7 @@ from durability.models import (
 )
 from durability.testing import wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.smoke, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture(scope="module")
