@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from tests.procs import Beat, CeleryWorker, housekeeping_queue
+from tests.procs import ROOT, Beat, CeleryWorker, housekeeping_queue
 from tests.servers import EffectReceiver, FakeLLM
 
 pytest_plugins: list[str] = []
@@ -177,6 +178,18 @@ class Cluster:
         worker = CeleryWorker(name, {**self.env, **extra_env}, concurrency=concurrency)
         self.workers.append(worker)
         return worker.start()
+
+    def migrate(self) -> None:
+        """Migrate the cluster's own database (a throwaway server's, not the test database
+        pytest-django sets up)."""
+        done = subprocess.run(
+            [sys.executable, "manage.py", "migrate", "-v0"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
 
     def start_beat(self) -> Beat:
         if self.housekeeping is None:

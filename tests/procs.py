@@ -280,6 +280,9 @@ class ThrowawayPostgres:
     def url(self, dbname: str = "postgres") -> str:
         return f"postgres://postgres@127.0.0.1:{self.port}/{dbname}"
 
+    def psql(self, sql: str) -> None:
+        subprocess.run(["psql", self.url(), "-qc", sql], check=True, capture_output=True)
+
     def destroy(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -20,9 +20,7 @@ from tests.procs import ROOT, ThrowawayPostgres
 def pg_cluster(llm_server, effect_server, tmp_path_factory):
     pg = ThrowawayPostgres().init()
     pg.start()
-    subprocess.run(
-        ["psql", pg.url(), "-qc", "CREATE DATABASE durability"], check=True, capture_output=True
-    )
+    pg.psql("CREATE DATABASE durability")
     cluster = Cluster(
         "pgfault",
         tmp_path_factory.mktemp("pgfault"),
@@ -30,14 +28,7 @@ def pg_cluster(llm_server, effect_server, tmp_path_factory):
         effect_server.url,
         database_url=pg.url("durability"),
     )
-    migrate = subprocess.run(
-        [sys.executable, "manage.py", "migrate", "-v0"],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-    )
-    assert migrate.returncode == 0, migrate.stderr
+    cluster.migrate()
     cluster.pg = pg
     cluster.env["DURABILITY_REPLICATION_TIMEOUT_SECONDS"] = "1"
     cluster.worker()
