@@ -23,7 +23,7 @@ import pytest
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from durability import Agent, dispatch, leases, operations, recovery, registry
+from durability import Agent, leases, operations, recovery, registry
 from durability.models import Event, EventKind, Run, RunStatus
 from durability.testing import wait_until
 from tests.conftest import Cluster
@@ -42,7 +42,7 @@ def _alive(pids: list[int]) -> set[int]:
         return {row[0] for row in cur.fetchall()}
 
 
-def test_a_sweep_never_ends_nor_takes_a_run_a_worker_just_took(settings, monkeypatch):
+def test_a_sweep_never_ends_nor_takes_a_run_a_worker_just_took(settings):
     """A queued run left unclaimed past the requeue interval: at that moment a free worker
     takes its message, its lock and its lease, while a sweep decides to ring it again and
     looks for stalled holders. 1,000 races: the worker is never ended, the run never given
@@ -50,7 +50,6 @@ def test_a_sweep_never_ends_nor_takes_a_run_a_worker_just_took(settings, monkeyp
     if connection.vendor != "postgresql":
         pytest.skip("session locks: PostgreSQL")
     settings.DURABILITY_REQUEUE_SECONDS = 1.0
-    monkeypatch.setattr(dispatch, "_dispatcher", lambda run_id, delay=None: None)
 
     def step(state, ctx):
         state["done"] = True
@@ -299,17 +298,13 @@ class SlowEffects(EffectReceiver):
         return super().handle(path, headers, body)
 
 
-def _psql(pg: ThrowawayPostgres, sql: str) -> None:
-    subprocess.run(["psql", pg.url(), "-qc", sql], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory):
     llm = FakeLLM().start()
     receiver = SlowEffects().start()
     pg = ThrowawayPostgres().init()
     pg.start()
-    _psql(pg, "CREATE DATABASE durability")
+    pg.psql("CREATE DATABASE durability")
     cluster = Cluster(
         "liveness-pg",
         tmp_path_factory.mktemp("liveness-pg"),
@@ -321,14 +316,7 @@ def restarted(tmp_path_factory):
     # lease that outlives the restarts: what is tested is the liveness lock, not the lease.
     cluster.env["DURABILITY_RECONNECT_MARGIN_SECONDS"] = "1"
     cluster.env["DURABILITY_LEASE_SECONDS"] = "15"
-    migrate = subprocess.run(
-        [sys.executable, "manage.py", "migrate", "-v0"],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-    )
-    assert migrate.returncode == 0, migrate.stderr
+    cluster.migrate()
     cluster.pg, cluster.llm, cluster.receiver = pg, llm, receiver
     cluster.worker(concurrency=2)
     cluster.worker(concurrency=2)
