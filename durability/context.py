@@ -586,6 +586,8 @@ class Context:
         """The abandoned effect this new one stands for: the one already matched to this
         identity (a replay), or the first unmatched one with this key whose rollback is on the
         run's current branch, matched now under the lease."""
+        if key not in self._records.abandoned_keys:
+            return None  # no effect with this key was left behind: no query
         base = self._base_id
         rows = list(
             AbandonedEffect.objects.filter(run_id=self.run_id, key=key)
@@ -1141,13 +1143,23 @@ class Records:
     children: dict[tuple[str, int], Run]
     # When the base is a rollback's new head: the compensations the operator ticked.
     compensations: list[AbandonedEffect] = field(default_factory=list)
+    # Keys of the run's effects done on branches a rollback abandoned: only a new effect with
+    # one of them can need a second decision. Read once per execution and carried to later
+    # bases: a rollback that adds some bumps the lease token, so this execution is fenced
+    # out at its next write before it could miss them.
+    abandoned_keys: frozenset[str] = frozenset()
 
     @classmethod
-    def empty(cls) -> Records:
-        return cls({}, {}, {}, {}, {})
+    def empty(cls, abandoned_keys: frozenset[str] = frozenset()) -> Records:
+        return cls({}, {}, {}, {}, {}, abandoned_keys=abandoned_keys)
 
     @classmethod
     def load(cls, base_id: int, run_id: Any) -> Records:
+        abandoned = list(
+            AbandonedEffect.objects.filter(run_id=run_id)
+            .select_related("effect")
+            .order_by("effect_id")
+        )
         return cls(
             journal={
                 (e.key, e.occurrence): e for e in JournalEntry.objects.filter(base_id=base_id)
@@ -1169,13 +1181,10 @@ class Records:
                     "id", "spawn_key", "spawn_occurrence"
                 )
             },
-            compensations=list(
-                AbandonedEffect.objects.filter(
-                    run_id=run_id, rollback_id=base_id, choice=Repeat.COMPENSATE
-                )
-                .select_related("effect")
-                .order_by("effect_id")
-            ),
+            compensations=[
+                a for a in abandoned if a.rollback_id == base_id and a.choice == Repeat.COMPENSATE
+            ],
+            abandoned_keys=frozenset(a.key for a in abandoned),
         )
 
 

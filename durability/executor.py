@@ -490,7 +490,8 @@ class Execution:
             if outcome is not None:
                 return outcome
             if self.identity != identity_before:
-                records = Records.empty()  # a new base: nothing recorded against it yet
+                # A new base: nothing recorded against it yet.
+                records = Records.empty(records.abandoned_keys)
 
     @property
     def periodic(self) -> bool:
