@@ -23,7 +23,9 @@ from durability import (
     canonical,
     checkpoints,
     dispatch,
+    events,
     leases,
+    lifecycle,
     rollbacks,
     telemetry,
 )
@@ -52,7 +54,6 @@ from durability.models import (
     Effect,
     EffectStatus,
     Event,
-    EventKind,
     Message,
     Mutation,
     Repeat,
@@ -130,15 +131,9 @@ def state_at(ref: Any, seq: int | None = None) -> Any:
 
 
 def _event(run: Run, kind: str, *, by: str, reason: str, data: Any = None, seq=None) -> Event:
-    return Event.objects.create(
-        run=run,
-        kind=kind,
-        seq=run.head_seq if seq is None else seq,
-        step=run.step,
-        actor=by,
-        reason=reason,
-        data=canonical.dumps(data).decode() if data is not None else "",
-    )
+    """An event of a kind ``durability.events`` has no function for, recorded."""
+    event = events.new(run, kind, by=by, reason=reason, data=data, seq=seq)
+    return events.record(event)[0]
 
 
 # --- start -----------------------------------------------------------------------------------
@@ -261,13 +256,7 @@ def spawn_child(
         spawn_key=key,
         spawn_occurrence=occurrence,
     )
-    _event(
-        parent,
-        EventKind.SPAWNED,
-        by="",
-        reason="",
-        data={"child": str(child.id), "agent": definition.name, "key": key},
-    )
+    events.record(events.spawned(parent, child=child.id, agent=definition.name, key=key))
     return child
 
 
@@ -281,15 +270,7 @@ def wake_parent(child: Run) -> None:
         parent = Run.objects.select_for_update().filter(pk=child.parent_run_id).first()
         if parent is None:
             return
-        Event.objects.create(
-            run=parent,
-            kind=EventKind.CHILD_FINISHED,
-            seq=parent.head_seq,
-            step=parent.step,
-            data=canonical.dumps(
-                {"child": str(child.id), "status": child.status, "error": child.error[:500]}
-            ).decode(),
-        )
+        events.record(events.child_finished(parent, child))
         if parent.status == RunStatus.WAITING and parent.wait_reason == WaitReason.CHILDREN:
             dispatch.wake(parent.id)
 
@@ -344,7 +325,7 @@ def _create_run(
         **extra,
         agent=definition.name,
         agent_version=definition.version,
-        status=RunStatus.QUEUED,
+        status=lifecycle.first_status(first),
         step=first,
         input=input_bytes.decode(),
         created_by=by,
@@ -366,13 +347,8 @@ def _create_run(
         by=by,
         fingerprint=definition.fingerprint(),
     )
-    _event(
-        run,
-        EventKind.CREATED,
-        by=by,
-        reason=reason,
-        seq=0,
-        data={"agent": definition.name, "version": definition.version},
+    events.record(
+        events.created(run, by=by, reason=reason, agent=definition.name, version=definition.version)
     )
     dispatch.ring(run.id)
     return run
@@ -470,24 +446,8 @@ def resume(
         head = _checkpoint_of(run, run.head_seq)
         checkpoints.verified_state(head)  # refuse to queue what cannot be rehydrated
         previous = run.status
-        Run.objects.filter(pk=run.pk).update(
-            status=RunStatus.QUEUED,
-            wait_reason=WaitReason.NONE,
-            wait_detail="",
-            wake_at=None,
-            error="",
-            error_code="",
-            finished_at=None,
-            attempts=0,
-            retries=0,
-            lease_token=F("lease_token") + 1,
-            lease_owner="",
-            lease_expires_at=None,
-            rung_at=Now(),
-            updated_at=Now(),
-        )
-        run.refresh_from_db()
-        _event(run, EventKind.RESUMED, by=by, reason=reason, data={"from": previous})
+        lifecycle.resume(run)
+        events.record(events.resumed(run, by=by, reason=reason, previous=previous))
         dispatch.ring(run.id)
     return run
 
@@ -526,22 +486,11 @@ def _cancel_one(ref: Any, *, by: str, reason: str, expected_version: int | None 
     if run.status in FINISHED:
         raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
     _check_version(run, expected_version)
-    Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.CANCELLED,
-        lease_token=F("lease_token") + 1,
-        lease_owner="",
-        lease_expires_at=None,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        wake_at=None,
-        finished_at=Now(),
-        updated_at=Now(),
-    )
+    lifecycle.cancel(run)
     Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).update(
         status=ApprovalStatus.SUPERSEDED, comment="run cancelled"
     )
-    run.refresh_from_db()
-    _event(run, EventKind.CANCELLED, by=by, reason=reason)
+    events.record(events.cancelled(run, by=by, reason=reason))
     return run
 
 
@@ -828,33 +777,10 @@ def rollback(
         )
         finished = not target.next_step
         held = not finished and not and_continue
-        if finished:
-            status, wait = RunStatus.SUCCEEDED, WaitReason.NONE
-        else:
-            status = RunStatus.WAITING if held else RunStatus.QUEUED
-            wait = WaitReason.HOLD if held else WaitReason.NONE
-        Run.objects.filter(pk=run.pk).update(
-            head_seq=seq,
-            step=target.next_step,
-            status=status,
-            lease_token=F("lease_token") + 1,
-            lease_owner="",
-            lease_expires_at=None,
-            wait_reason=wait,
-            wait_detail=(f"rolled back to #{target.seq} by {by or 'an operator'}" if held else ""),
-            wake_at=None,
-            error="",
-            error_code="",
-            attempts=0,
-            retries=0,
-            finished_at=Now() if finished else None,
-            rung_at=Now(),
-            updated_at=Now(),
-        )
-        run.refresh_from_db()
-        _event(
+        detail = f"rolled back to #{target.seq} by {by or 'an operator'}"
+        lifecycle.roll_back(run, seq=seq, step=target.next_step, held=held, detail=detail)
+        events.rollback(
             run,
-            EventKind.ROLLBACK,
             by=by,
             reason=reason,
             seq=seq,
@@ -876,7 +802,7 @@ def rollback(
                 ],
                 "messages_returned": returned,
             },
-        )
+        ).save()
         if finished:
             # A child rolled back to its end has finished: its parent may go on. After the
             # commit, in a transaction of its own: locking the parent while holding the
@@ -946,7 +872,7 @@ def fork(
         run = Run.objects.create(
             agent=source.agent,
             agent_version=registry.get(source.agent).version,
-            status=RunStatus.QUEUED if target.next_step else RunStatus.SUCCEEDED,
+            status=lifecycle.first_status(target.next_step),
             step=target.next_step,
             input=source.input,
             forked_from=source,
@@ -978,13 +904,14 @@ def fork(
             "what_if": what_if,
             "live": live,
         }
-        _event(run, EventKind.FORK, by=by, reason=reason, seq=0, data=data)
-        _event(
-            source,
-            EventKind.FORK,
-            by=by,
-            reason=reason,
-            data={"fork": str(run.id), "from": target.seq, "edited": edited},
+        events.record(
+            events.fork(run, by=by, reason=reason, seq=0, data=data),
+            events.fork(
+                source,
+                by=by,
+                reason=reason,
+                data={"fork": str(run.id), "from": target.seq, "edited": edited},
+            ),
         )
         if target.next_step:
             dispatch.ring(run.id)
@@ -1072,18 +999,10 @@ def decide(
         )
         if not updated:  # pragma: no cover - the run lock makes this unreachable
             raise AlreadyDecided("the approval was decided meanwhile", run_id=run.id)
-        _event(
-            run,
-            EventKind.APPROVAL_DECIDED,
-            by=by,
-            reason=comment,
-            data={
-                "name": pending.name,
-                "approved": approve,
-                "edited": bool(edited),
-                **({"changes": changes} if changes else {}),
-            },
-        )
+        decided = {"name": pending.name, "approved": approve, "edited": bool(edited)}
+        if changes:
+            decided["changes"] = changes
+        events.record(events.approval_decided(run, by=by, reason=comment, data=decided))
         if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
             dispatch.wake(run.id)
         pending.refresh_from_db()
@@ -1143,13 +1062,13 @@ def expire_approvals(limit: int = 200) -> list[int]:
                     escalations=F("escalations") + 1,
                     deadline=leases.db_now_plus(approval.timeout_seconds or 0),
                 )
-                _event(
+                events.approval_escalated(
                     run,
-                    EventKind.APPROVAL_ESCALATED,
                     by="policy:timeout",
                     reason=f"no decision from {approval.group or 'operators'} in time",
-                    data={"name": approval.name, "to": approval.escalate_to},
-                )
+                    name=approval.name,
+                    to=approval.escalate_to,
+                ).save()
             else:
                 approve = approval.on_timeout == "approve" and approval.escalations == 0
                 Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.PENDING).update(
@@ -1158,13 +1077,12 @@ def expire_approvals(limit: int = 200) -> list[int]:
                     decided_at=Now(),
                     comment=f"no decision within {approval.timeout_seconds:g} s",
                 )
-                _event(
+                events.approval_decided(
                     run,
-                    EventKind.APPROVAL_DECIDED,
                     by="policy:timeout",
                     reason="timed out",
                     data={"name": approval.name, "approved": approve, "timeout": True},
-                )
+                ).save()
                 if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
                     dispatch.wake(run.id)
             acted.append(approval_id)
@@ -1221,13 +1139,9 @@ def resolve_effect(
         else:
             fields.update(status=EffectStatus.RETRY)
         Effect.objects.filter(pk=effect.pk).update(**fields)
-        _event(
-            run,
-            EventKind.EFFECT_RESOLVED,
-            by=by,
-            reason=note,
-            data={"effect": effect.pk, "key": effect.key, "outcome": outcome},
-        )
+        events.effect_resolved(
+            run, by=by, reason=note, effect=effect.pk, key=effect.key, outcome=outcome
+        ).save()
         if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.IN_DOUBT:
             dispatch.wake(run.id)
         effect.refresh_from_db()
@@ -1287,13 +1201,9 @@ def send(
         message = Message.objects.create(
             run=run, name=name, data=text, idempotency_key=idempotency_key, sent_by=by
         )
-        _event(
-            run,
-            EventKind.MESSAGE_RECEIVED,
-            by=by,
-            reason=reason,
-            data={"name": name, "bytes": len(text), "message": message.pk},
-        )
+        events.message_received(
+            run, by=by, reason=reason, name=name, size=len(text), message=message.pk
+        ).save()
         if (
             run.status == RunStatus.WAITING
             and run.wait_reason == WaitReason.MESSAGE
