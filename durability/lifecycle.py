@@ -12,9 +12,10 @@ operation from gets ``TransitionNotAllowed`` (DUR114), and nothing is changed. O
 transitions (resume, cancel, hold, restart, end) and the sweeper's requeue advance the token,
 fencing out any worker still executing the run.
 
-Three operations hold no token and are conditional by nature: ``wake``, ``park`` and
-``requeue`` act on a run still in the status the caller saw, and a run that moved on (woken
-already, claimed, finished) is no error: they return False and change nothing.
+Three operations are conditional by nature: ``wake`` and ``park`` hold no token, and
+``requeue`` holds only the one the sweeper read. Each acts on a run still as its caller saw
+it; a run that moved on meanwhile (woken already, claimed, finished) is no error: they return
+False and change nothing.
 
 ``claim`` (``leases.claim``) and the step commit (``checkpoints``, ``checkpoint`` and
 ``succeed`` in one statement) are written where they are for speed; they take their statuses
