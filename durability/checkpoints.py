@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
-from durability import canonical, diff, inflight, redact
+from durability import canonical, diff, inflight, lifecycle, redact
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
 from durability.faults import fault, faults_armed
 from durability.models import (
@@ -32,7 +32,6 @@ from durability.models import (
     EventKind,
     Mutation,
     Run,
-    RunStatus,
     Snapshot,
 )
 
@@ -465,7 +464,7 @@ def _params(c: StepCommit, data: str, raw: bool = False) -> dict[str, Any]:
         "token": c.token,
         "head_seq": c.head.seq,
         "next_step": c.next_step,
-        "status": RunStatus.SUCCEEDED if c.finished else RunStatus.RUNNING,
+        "status": lifecycle.after_step(c.finished),
         "lease": c.lease_seconds,
         "parent": c.head.id,
         "step": c.step,
@@ -559,7 +558,7 @@ def _commit_orm(c: StepCommit, data: str) -> int:
     }
     if c.finished:
         fields.update(
-            status=RunStatus.SUCCEEDED,
+            status=lifecycle.after_step(True),
             lease_owner="",
             lease_expires_at=None,
             finished_at=now,
@@ -567,7 +566,7 @@ def _commit_orm(c: StepCommit, data: str) -> int:
         )
     else:
         fields.update(
-            status=RunStatus.RUNNING,
+            status=lifecycle.after_step(False),
             lease_expires_at=now + timedelta(seconds=c.lease_seconds),
         )
     is_head = Checkpoint.objects.filter(run_id=c.run_id, seq=c.head.seq, pk=c.head.id)

@@ -26,20 +26,9 @@ def set_dispatcher(fn: Dispatcher | None) -> None:
 def wake(run_id: object, reason: str | None = None) -> bool:
     """A run waiting (for ``reason``, if given) goes back to the queue, and the doorbell
     rings for it once the transaction commits. False if it was not waiting (for that)."""
-    from django.db.models.functions import Now
+    from durability import lifecycle
 
-    from durability.models import Run, RunStatus, WaitReason
-
-    waiting = Run.objects.filter(pk=run_id, status=RunStatus.WAITING)
-    if reason is not None:
-        waiting = waiting.filter(wait_reason=reason)
-    if not waiting.update(
-        status=RunStatus.QUEUED,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        rung_at=Now(),
-        updated_at=Now(),
-    ):
+    if not lifecycle.wake(run_id, reason):
         return False
     ring(run_id)
     return True

@@ -69,6 +69,13 @@ class Stale(InvalidTransition):
     code = "DUR112"
 
 
+class TransitionNotAllowed(InvalidTransition):
+    """A change of status the run's state machine does not allow from the status the run is
+    in (the table in ``durability.lifecycle``). Nothing was changed."""
+
+    code = "DUR114"
+
+
 class AlreadyDecided(InvalidInput):
     code = "DUR108"
 

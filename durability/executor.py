@@ -35,10 +35,19 @@ from django.db import (
     transaction,
 )
 from django.db.models import F
-from django.db.models.functions import Now
 from django.utils import timezone
 
-from durability import blobs, canonical, checkpoints, diff, dispatch, leases, telemetry
+from durability import (
+    blobs,
+    canonical,
+    checkpoints,
+    diff,
+    dispatch,
+    events,
+    leases,
+    lifecycle,
+    telemetry,
+)
 from durability.agents import Agent, Ending, registry
 from durability.checkpoints import Head, SnapshotWriter, StepCommit
 from durability.context import Context, Records, Suspension, WhatIf
@@ -1079,13 +1088,15 @@ class Execution:
             data["replayed"] = replayed
         return canonical.dumps(data).decode()
 
-    def _event(self, kind: str, **fields: Any) -> Event:
+    def _event(self, kind: Callable[..., Event], **fields: Any) -> Event:
+        """An event of ``kind`` (a function of ``durability.events``) at this execution's
+        place in the run, carrying the last commit's latency if no event has yet."""
         fields.setdefault("seq", self.head.seq if self.head else self.row.head_seq)
         fields.setdefault("step", self.pc or (self.head.next_step if self.head else self.row.step))
         if self.latency_unreported:
             fields.setdefault("commit_us", self.prev_commit_us)
             self.latency_unreported = False
-        return Event(run_id=self.run_id, kind=kind, worker=self.worker, **fields)
+        return kind(self.run_id, worker=self.worker, **fields)
 
     def _suspend(self, s: Suspension) -> Outcome | None:
         with transaction.atomic():
@@ -1096,19 +1107,15 @@ class Execution:
                 return None
             if s.write is not None:
                 s.write()
-            fields: dict[str, Any] = {
-                "status": RunStatus.WAITING,
-                "wait_reason": s.reason,
-                "wait_detail": s.detail[:500],
-                "attempts": 0,
-            }
-            if s.wake_at is not None:
-                fields["wake_at"] = s.wake_at
-            leases.release(self.run_id, self.token, **fields)
-            self._event(
-                EventKind.SUSPENDED,
-                data=self._with_replays({"reason": s.reason, "detail": s.detail}),
-            ).save()
+            lifecycle.suspend(self.run_id, self.token, s.reason, s.detail, s.wake_at)
+            events.record(
+                self._event(
+                    events.suspended,
+                    wait=s.reason,
+                    detail=s.detail,
+                    replayed=self._take_replays(),
+                )
+            )
         if s.wake_at is not None:
             dispatch.ring(self.run_id, delay=(s.wake_at - timezone.now()).total_seconds())
         fault("suspended", run=self.run_id, step=self.pc, reason=s.reason)
@@ -1127,24 +1134,24 @@ class Execution:
             )
         delay = agent.backoff(self.retries, getattr(exc, "retry_after", None))
         with transaction.atomic():
-            if not leases.release(
+            if not lifecycle.release(
                 self.run_id,
                 self.token,
-                status=RunStatus.QUEUED,
-                wait_reason=WaitReason.RETRY,
-                wait_detail=error[:500],
-                wake_at=leases.db_now_plus(delay),
-                rung_at=leases.db_now_plus(delay),
+                wait=WaitReason.RETRY,
+                detail=error,
+                until=leases.db_now_plus(delay),
                 retries=F("retries") + 1,
-                attempts=0,
             ):
                 return Outcome.LOST
-            self._event(
-                EventKind.RETRY_SCHEDULED,
-                data=self._with_replays(
-                    {"delay_s": round(delay, 3), "error": error[:2000], "retry": self.retries + 1}
-                ),
-            ).save()
+            events.record(
+                self._event(
+                    events.retry_scheduled,
+                    delay=delay,
+                    error=error,
+                    retry=self.retries + 1,
+                    replayed=self._take_replays(),
+                )
+            )
             dispatch.ring(self.run_id, delay=delay + 0.05)
         return Outcome.RETRY
 
@@ -1161,42 +1168,25 @@ class Execution:
         if not isinstance(exc, DurabilityError):
             detail["traceback"] = "".join(traceback.format_exception(exc)[-12:])
         with transaction.atomic():
-            if not leases.release(
-                self.run_id,
-                self.token,
-                status=RunStatus.FAILED,
-                error=message[:10000],
-                error_code=code,
-                finished_at=Now(),
-                attempts=0,
-                outcome="",  # a run that failed ended as its status says
-                wait_reason=WaitReason.NONE,
-                wait_detail="",
-            ):
+            if not lifecycle.fail(self.run_id, self.token, error=message, code=code):
                 return Outcome.LOST
-            events = []
+            timeline = []
             if integrity:
-                events.append(
-                    self._event(
-                        EventKind.INTEGRITY, reason=message, data=canonical.dumps(detail).decode()
-                    )
-                )
-            events.append(
+                timeline.append(self._event(events.integrity, message=message, detail=detail))
+            timeline.append(
                 self._event(
-                    EventKind.FAILED, reason=message[:2000], data=self._with_replays(detail)
+                    events.failed, message=message, detail=detail, replayed=self._take_replays()
                 )
             )
-            Event.objects.bulk_create(events)
+            events.record(*timeline)
         log.info("run %s failed: %s", self.run_id, message)
         return Outcome.FAILED
 
     def _yield(self) -> Outcome:
         with transaction.atomic():
-            if not leases.release(
-                self.run_id, self.token, status=RunStatus.QUEUED, attempts=0, rung_at=Now()
-            ):
+            if not lifecycle.release(self.run_id, self.token):
                 return Outcome.LOST
-            self._event(EventKind.RELEASED, reason="handed back to the queue").save()
+            events.record(self._event(events.released, why="handed back to the queue"))
             dispatch.ring(self.run_id)
         return Outcome.YIELDED
 
@@ -1205,35 +1195,24 @@ class Execution:
         a version that can continue it (during a rolling deploy) takes it instead."""
         delay = float(getattr(settings, "DURABILITY_VERSION_RETRY_SECONDS", 30.0))
         with transaction.atomic():
-            if not leases.release(
+            if not lifecycle.release(
                 self.run_id,
                 self.token,
-                status=RunStatus.QUEUED,
-                wait_reason=WaitReason.VERSION,
-                wait_detail=exc.message[:500],
-                wake_at=leases.db_now_plus(delay),
-                rung_at=leases.db_now_plus(delay),
-                attempts=0,
+                wait=WaitReason.VERSION,
+                detail=exc.message,
+                until=leases.db_now_plus(delay),
             ):
                 return Outcome.LOST
-            self._event(EventKind.RELEASED, reason=exc.message).save()
+            events.record(self._event(events.released, why=exc.message))
         log.warning("%s", exc)
         return Outcome.YIELDED
 
     def _finish_without_step(self) -> Outcome:
         """A head with no next step (e.g. rolled back to the final checkpoint)."""
         with transaction.atomic():
-            if not leases.release(
-                self.run_id,
-                self.token,
-                status=RunStatus.SUCCEEDED,
-                finished_at=Now(),
-                attempts=0,
-                # No step ended it here: whatever ending was named before is not this one's.
-                outcome="",
-            ):
+            if not lifecycle.succeed(self.run_id, self.token):
                 return Outcome.LOST
-            self._event(EventKind.SUCCEEDED).save()
+            events.record(self._event(events.succeeded))
         return Outcome.SUCCEEDED
 
 

@@ -36,6 +36,7 @@ from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrappe
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce, Now
 
+from durability import lifecycle
 from durability.models import (
     TIMED_WAITS,
     Checkpoint,
@@ -43,7 +44,6 @@ from durability.models import (
     EventKind,
     Run,
     RunStatus,
-    WaitReason,
 )
 
 log = logging.getLogger(__name__)
@@ -358,13 +358,10 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool, holder: int | None = No
                 ),
                 heartbeat_at=Now(),
                 claimed_at=Now(),
-                status=RunStatus.RUNNING,
                 attempts=F("attempts") + 1,
                 started_at=Coalesce("started_at", Now()),
-                wait_reason=WaitReason.NONE,
-                wait_detail="",
-                wake_at=None,
                 updated_at=Now(),
+                **lifecycle.claimed(),
             )
         )
         if not updated:

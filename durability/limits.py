@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
+from durability import lifecycle
 from durability.errors import AgentDefinitionError
 from durability.models import RateBucket, Run, RunStatus, WaitReason
 
@@ -107,9 +108,7 @@ def agent_slot_taken(agent: str, limit: int, run_id: object) -> str:
 def park(run_id: object, why: str, seconds: float = 5.0) -> None:
     """Leave a run queued, saying why, until a slot frees (or ``seconds`` pass)."""
     later = timezone.now() + timedelta(seconds=seconds)
-    Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(
-        wait_reason=WaitReason.CONCURRENCY, wait_detail=why[:500], wake_at=later, rung_at=later
-    )
+    lifecycle.park(run_id, WaitReason.CONCURRENCY, why, later)
 
 
 def next_in_line(agent: str) -> object | None:

@@ -2,8 +2,8 @@
 of calls, effects, approvals and the event timeline.
 
 State and patches are stored as canonical JSON text (never jsonb: the hashes are computed
-over exactly these bytes). State transitions live in ``durability.operations`` and
-``durability.executor``, not here; these classes hold data and small derived properties.
+over exactly these bytes). A run's status changes only through ``durability.lifecycle``,
+not here; these classes hold data and small derived properties.
 """
 
 from __future__ import annotations

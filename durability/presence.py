@@ -20,10 +20,10 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from durability import canonical
+from durability import canonical, lifecycle
 from durability.agents import registry
 from durability.leases import HELD_ADVISORY_LOCKS
-from durability.models import Checkpoint, Run, RunStatus, WaitReason, WorkerPresence
+from durability.models import Checkpoint, Run, WaitReason, WorkerPresence
 
 
 def ttl() -> float:
@@ -159,6 +159,4 @@ def wait_for_a_worker(run_id: Any, why: str) -> None:
     """Nobody can take the run now: it waits, saying why; the sweeper asks again."""
     later = timezone.now() + timedelta(seconds=ttl() / 3)
     with transaction.atomic():
-        Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(
-            wait_reason=WaitReason.VERSION, wait_detail=why[:500], wake_at=later, rung_at=later
-        )
+        lifecycle.park(run_id, WaitReason.VERSION, why, later)

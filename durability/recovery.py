@@ -23,12 +23,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection, transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.db.models.functions import Coalesce, Now
 
-from durability import canonical, dispatch, leases
+from durability import dispatch, events, leases, lifecycle
 from durability.faults import fault
-from durability.models import TIMED_WAITS, Event, EventKind, Run, RunStatus, WaitReason
+from durability.models import TIMED_WAITS, Run, RunStatus, WaitReason
 
 log = logging.getLogger(__name__)
 
@@ -116,35 +116,14 @@ def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str, deci
         if connection.vendor == "postgresql":
             with connection.cursor() as cur:  # never wait long on a stalled row lock
                 cur.execute("SET LOCAL lock_timeout = '2s'")
-        updated = (
-            Run.objects.filter(
-                pk=run_id, lease_token=token, status=RunStatus.RUNNING, claimed_at__lt=decision
-            )
-            .filter(leases.proven_dead(run_id, why))
-            .update(
-                status=RunStatus.QUEUED,
-                lease_token=F("lease_token") + 1,
-                lease_owner="",
-                lease_expires_at=None,
-                lost_heartbeat_at=Coalesce("heartbeat_at", "claimed_at"),
-                rung_at=Now(),
-                updated_at=Now(),
-            )
-        )
-        if not updated:
+        dead = Q(claimed_at__lt=decision) & leases.proven_dead(run_id, why)
+        lost = Coalesce("heartbeat_at", "claimed_at")
+        if not lifecycle.requeue(run_id, token, dead, lost_heartbeat_at=lost):
             # It moved on meanwhile (claimed, finished, another sweeper), or its holder is
             # not proven gone: the database restarted a moment ago, and a live holder takes
             # its lock back as soon as it reconnects.
             return False
-        Event.objects.create(
-            run_id=run_id,
-            kind=EventKind.LEASE_LOST,
-            worker=owner,
-            reason=why,
-            data=canonical.dumps(
-                {"heartbeat_at": heartbeat.isoformat() if heartbeat else None}
-            ).decode(),
-        )
+        events.record(events.lease_lost(run_id, worker=owner, why=why, heartbeat=heartbeat))
         dispatch.ring(run_id)
     return True
 

@@ -1,0 +1,72 @@
+"""Resolving an effect in doubt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.db.models.functions import Now
+
+from durability import canonical, dispatch, events
+from durability.errors import InvalidInput, InvalidTransition, Stale, UnknownEffect
+from durability.models import Effect, EffectStatus, RunStatus, WaitReason
+from durability.operations._runs import _check_version, _locked
+
+
+def resolve_effect(
+    ref: Any,
+    effect_id: int,
+    *,
+    outcome: str,
+    result: Any = None,
+    by: str = "",
+    note: str = "",
+    expected_attempts: int | None = None,
+    expected_version: int | None = None,
+) -> Effect:
+    """Say what happened to an effect in doubt: ``done`` (with its result), ``failed``
+    (raised into the step as ``EffectFailed``) or ``retry`` (perform it again, same key).
+    ``expected_attempts``: the attempts the operator saw; if the effect was performed again
+    since (a colleague chose retry), what they checked is out of date and it is refused.
+    ``expected_version``: the run version the operator saw; a retry is performed by a new
+    claim, which moves it on, so a repeated resolve never settles the next attempt."""
+    if outcome not in ("done", "failed", "retry"):
+        raise InvalidInput(f"outcome must be done, failed or retry, not {outcome!r}")
+    with transaction.atomic():
+        run = _locked(ref)
+        effect = Effect.objects.filter(run=run, pk=effect_id).first()
+        if effect is None:
+            raise UnknownEffect(f"run has no effect {effect_id}", run_id=run.id)
+        if effect.status not in (EffectStatus.IN_DOUBT, EffectStatus.PENDING):
+            raise InvalidTransition(
+                f"effect {effect.key!r} is {effect.status}; only an effect in doubt can be"
+                " resolved",
+                run_id=run.id,
+            )
+        if expected_attempts is not None and effect.attempts != expected_attempts:
+            raise Stale(
+                f"effect {effect.key!r} was performed again since this was shown (attempt"
+                f" {effect.attempts}, not {expected_attempts}); review it again",
+                run_id=run.id,
+            )
+        _check_version(run, expected_version)
+        fields: dict[str, Any] = {"resolved_by": by, "resolution_note": note}
+        if outcome == "done":
+            canonical.check_json(result, what="effect result")
+            fields.update(
+                status=EffectStatus.DONE,
+                result=canonical.dumps(result).decode(),
+                completed_at=Now(),
+            )
+        elif outcome == "failed":
+            fields.update(status=EffectStatus.FAILED, error=note or "marked failed")
+        else:
+            fields.update(status=EffectStatus.RETRY)
+        Effect.objects.filter(pk=effect.pk).update(**fields)
+        events.effect_resolved(
+            run, by=by, reason=note, effect=effect.pk, key=effect.key, outcome=outcome
+        ).save()
+        if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.IN_DOUBT:
+            dispatch.wake(run.id)
+        effect.refresh_from_db()
+    return effect
