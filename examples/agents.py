@@ -29,10 +29,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from durability import END, Agent, Transient
+from durability import END, Agent, RetryPolicy, Transient
 from examples import corpus, llm, tools
 
 REFUND_APPROVAL_OVER_EUR = 100.0
+# One policy for both demo agents: the fake LLM and search fail now and then; a retry
+# within seconds keeps the demo moving.
+DEMO_RETRY = RetryPolicy(max_retries=6, base=0.5, cap=10)
 
 
 def knobs(state, ctx, step: str, *, crash_here: bool = True) -> None:
@@ -121,9 +124,7 @@ research = Agent(
         "notes": [],
         "searched": [],
     },
-    max_retries=6,
-    retry_base=0.5,
-    retry_cap=10,
+    retry=DEMO_RETRY,
 )
 
 
@@ -248,9 +249,7 @@ support = Agent(
         ],
         "iterations": 0,
     },
-    max_retries=6,
-    retry_base=0.5,
-    retry_cap=10,
+    retry=DEMO_RETRY,
 )
 
 
