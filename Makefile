@@ -30,7 +30,11 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-logo --no-cache
 
-bench: install
+$(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
+
+bench: install $(VENV)/.installed-bench
 	$(BIN)/python -m bench.checkpoint
 
 clean:

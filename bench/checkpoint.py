@@ -1,7 +1,8 @@
 """The engine's benchmarks: ``python -m bench.checkpoint [--quick] [--only PARTS]``.
 
 Parts (see docs/performance.md): overhead, storage, rebuild, recovery (a pool process
-killed), node-recovery (a whole worker killed), throughput, tracing, and the soak
+killed), node-recovery (a whole worker killed), throughput, tracing, langgraph-state (the
+latest-state load against LangGraph's ``get_state``; needs the ``bench`` extra), and the soak
 (``--soak SECONDS``). Every figure is a ratio to a baseline measured in the same run,
 or a median/percentile: the machine is shared and noisy, so no single timing means much.
 
@@ -38,6 +39,7 @@ PARTS = (
     "node-recovery",
     "throughput",
     "tracing",
+    "langgraph-state",
     "soak",
 )
 DEFAULT_SOAK_IF_SELECTED = 60.0
@@ -184,6 +186,10 @@ def _part(name: str, bench: Bench) -> Callable[[], None]:
         from bench import tracing
 
         return lambda: tracing.run(bench)
+    if name == "langgraph-state":
+        from bench import langgraph_state
+
+        return lambda: langgraph_state.run(bench)
     from bench import recovery
 
     return lambda: recovery.soak(bench, bench.soak_seconds)

@@ -158,10 +158,50 @@ def engine_loop(
     )
 
 
+@dataclass
+class Results:
+    """Every loop's samples: the strict level per state size, then the other lines."""
+
+    sizes: dict[int, Samples] = field(default_factory=lambda: {kb: Samples() for kb in SIZES_KB})
+    with_call: Samples = field(default_factory=Samples)
+    window: Samples = field(default_factory=Samples)
+    relaxed: Samples = field(default_factory=Samples)
+    periodic: Samples = field(default_factory=Samples)
+    waited: Samples = field(default_factory=Samples)
+
+
+LABELS = {
+    "call": "10 KB + 1 ctx.call (info)",
+    "window": "1 MB sliding window (info)",
+    "relaxed": "10 KB, relaxed level",
+    "periodic": "10 KB, periodic level (10 steps)",
+    "waited": "10 KB, commits waited for",
+}
+
+
 def run(b: Bench) -> None:
+    print("\n== Overhead per step (strict level)")
+    _engine_settings(b)
+    floor = Floor(b.db_url)
+    r = Results()
+    try:
+        with doorbell(False):
+            # Warm-up: connections, imports, the server's caches for these tables.
+            floor.measure(200, keep=False)
+            engine_loop(b, "bench-ring", 10, 100, Samples())
+            _measure(b, floor, r)
+            if b.profile:
+                profile(b)
+    finally:
+        floor.close()
+        truncate_product_tables()
+    report(b, floor, r)
+
+
+def _engine_settings(b: Bench) -> None:
+    from django.conf import settings
     from django.db import connection
 
-    print("\n== Overhead per step (strict level)")
     with connection.cursor() as cur:
         cur.execute("SHOW synchronous_commit")
         sync_commit = cur.fetchone()[0]
@@ -169,8 +209,6 @@ def run(b: Bench) -> None:
         fsync = cur.fetchone()[0]
         cur.execute("SHOW wal_sync_method")
         sync_method = cur.fetchone()[0]
-    from django.conf import settings
-
     prepared = getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True)
     ahead = getattr(settings, "DURABILITY_SEND_AHEAD", True)
     print(
@@ -186,68 +224,43 @@ def run(b: Bench) -> None:
         sync_commit == "on" and fsync == "on",
     )
 
+
+def _measure(b: Bench, floor: Floor, r: Results) -> None:
     rounds = 1 if b.quick else 3
     steps = {1: 200, 10: 200, 100: 150, 1024: 100} if b.quick else dict.fromkeys(SIZES_KB, 1000)
     rng = random.Random(b.seed)
-    floor = Floor(b.db_url)
-    results = {kb: Samples() for kb in SIZES_KB}
-    with_call = Samples()
-    window = Samples()
-    relaxed = Samples()
-    periodic = Samples()
-    waited = Samples()
-    try:
-        with doorbell(False):
-            # Warm-up: connections, imports, the server's caches for these tables.
-            floor.measure(200, keep=False)
-            engine_loop(b, "bench-ring", 10, 100, Samples())
-            for r in range(rounds):
-                order = list(SIZES_KB)
-                rng.shuffle(order)  # no size always runs right after the same neighbour
-                for kb in order:
-                    floor.measure(FLOOR_BLOCK)
-                    results[kb].plain += plain_loop("bench-ring", kb, steps[kb])
-                    engine_loop(b, "bench-ring", kb, steps[kb], results[kb])
-                    print(f"  round {r + 1}/{rounds}: {kb} KB state, {steps[kb]} steps done")
-            # Informational: the same 10 KB loop with one journaled call per step.
-            n_call = 100 if b.quick else 500
+    for n in range(rounds):
+        order = list(SIZES_KB)
+        rng.shuffle(order)  # no size always runs right after the same neighbour
+        for kb in order:
             floor.measure(FLOOR_BLOCK)
-            with_call.plain += plain_loop("bench-ring-call", 10, n_call)
-            engine_loop(b, "bench-ring-call", 10, n_call, with_call)
-            # The "relaxed" level: the same 10 KB loop, not waiting for the WAL flush.
-            for _ in range(rounds):
-                floor.measure(FLOOR_BLOCK)
-                relaxed.plain += plain_loop("bench-ring", 10, steps[10])
-                engine_loop(b, "bench-ring", 10, steps[10], relaxed, durability="relaxed")
-                periodic.plain += plain_loop("bench-ring", 10, steps[10])
-                engine_loop(b, "bench-ring", 10, steps[10], periodic, durability="periodic")
-                # Each commit waited for where it is made (DURABILITY_SEND_AHEAD off).
-                waited.plain += plain_loop("bench-ring", 10, steps[10])
-                engine_loop(b, "bench-ring", 10, steps[10], waited, send_ahead=False)
-            # Informational: the same 1 KB change per step on a 1 MB state, as a sliding
-            # window (append one message, drop the oldest) instead of a ring buffer.
-            n_window = 30 if b.quick else 100
-            floor.measure(FLOOR_BLOCK)
-            window.plain += plain_loop("bench-window", 1024, n_window)
-            engine_loop(b, "bench-window", 1024, n_window, window)
-            if b.profile:
-                profile(b)
-    finally:
-        floor.close()
-        truncate_product_tables()
-    report(b, floor, results, with_call, window, relaxed, periodic, waited)
+            r.sizes[kb].plain += plain_loop("bench-ring", kb, steps[kb])
+            engine_loop(b, "bench-ring", kb, steps[kb], r.sizes[kb])
+            print(f"  round {n + 1}/{rounds}: {kb} KB state, {steps[kb]} steps done")
+    # Informational: the same 10 KB loop with one journaled call per step.
+    n_call = 100 if b.quick else 500
+    floor.measure(FLOOR_BLOCK)
+    r.with_call.plain += plain_loop("bench-ring-call", 10, n_call)
+    engine_loop(b, "bench-ring-call", 10, n_call, r.with_call)
+    # The "relaxed" level: the same 10 KB loop, not waiting for the WAL flush.
+    for _ in range(rounds):
+        floor.measure(FLOOR_BLOCK)
+        r.relaxed.plain += plain_loop("bench-ring", 10, steps[10])
+        engine_loop(b, "bench-ring", 10, steps[10], r.relaxed, durability="relaxed")
+        r.periodic.plain += plain_loop("bench-ring", 10, steps[10])
+        engine_loop(b, "bench-ring", 10, steps[10], r.periodic, durability="periodic")
+        # Each commit waited for where it is made (DURABILITY_SEND_AHEAD off).
+        r.waited.plain += plain_loop("bench-ring", 10, steps[10])
+        engine_loop(b, "bench-ring", 10, steps[10], r.waited, send_ahead=False)
+    # Informational: the same 1 KB change per step on a 1 MB state, as a sliding
+    # window (append one message, drop the oldest) instead of a ring buffer.
+    n_window = 30 if b.quick else 100
+    floor.measure(FLOOR_BLOCK)
+    r.window.plain += plain_loop("bench-window", 1024, n_window)
+    engine_loop(b, "bench-window", 1024, n_window, r.window)
 
 
-def report(
-    b: Bench,
-    floor: Floor,
-    results: dict[int, Samples],
-    with_call: Samples,
-    window: Samples,
-    relaxed: Samples,
-    periodic: Samples,
-    waited: Samples,
-) -> None:
+def report(b: Bench, floor: Floor, r: Results) -> None:
     f_med, f_p99 = median(floor.samples), percentile(floor.samples, 99)
     t_med, t_p99 = median(floor.tx_samples), percentile(floor.tx_samples, 99)
     print(
@@ -255,23 +268,27 @@ def report(
         f"  ({len(floor.samples)} samples)"
     )
     print(f"floor, INSERT 1 KB + explicit COMMIT (info): median {ms(t_med)}, p99 {ms(t_p99)}")
+    all_samples = [
+        *((kb, r.sizes[kb]) for kb in SIZES_KB),
+        ("relaxed", r.relaxed),
+        ("periodic", r.periodic),
+        ("waited", r.waited),
+        ("call", r.with_call),
+        ("window", r.window),
+    ]
+    figures = _table(all_samples, f_med, f_p99)
+    b.add("overhead", "floor INSERT+COMMIT 1 KB, median / p99", f"{ms(f_med)} / {ms(f_p99)}")
+    _size_figures(b, figures, f_med, f_p99)
+    _level_figures(b, r, figures, f_med)
+    _wal_figure(b, all_samples)
+
+
+def _table(
+    all_samples: list[tuple[Any, Samples]], f_med: float, f_p99: float
+) -> dict[int, tuple[float, float]]:
+    """Print one line per loop; returns the strict level's (median, p99) overhead per size."""
     rows = []
     figures: dict[int, tuple[float, float]] = {}
-    labels = {
-        "call": "10 KB + 1 ctx.call (info)",
-        "window": "1 MB sliding window (info)",
-        "relaxed": "10 KB, relaxed level",
-        "periodic": "10 KB, periodic level (10 steps)",
-        "waited": "10 KB, commits waited for",
-    }
-    all_samples = [
-        *((kb, results[kb]) for kb in SIZES_KB),
-        ("relaxed", relaxed),
-        ("periodic", periodic),
-        ("waited", waited),
-        ("call", with_call),
-        ("window", window),
-    ]
     for kb, s in all_samples:
         plain_med = median(s.plain)
         over_med = median(s.engine) - plain_med
@@ -280,7 +297,7 @@ def report(
             figures[kb] = (over_med, over_p99)
         rows.append(
             [
-                f"{kb} KB" if isinstance(kb, int) else labels[kb],
+                f"{kb} KB" if isinstance(kb, int) else LABELS[kb],
                 size(s.state_bytes),
                 size(median(s.patch_bytes)),
                 len(s.engine),
@@ -293,25 +310,15 @@ def report(
                 f"{s.wal_syncs}/{s.steps}",
             ]
         )
-    print(
-        table(
-            rows,
-            [
-                "state",
-                "bytes",
-                "patch/step",
-                "samples",
-                "plain/step",
-                "engine/step",
-                "overhead med",
-                "/floor med",
-                "overhead p99",
-                "/floor p99",
-                "wal_sync/steps",
-            ],
-        )
-    )
-    b.add("overhead", "floor INSERT+COMMIT 1 KB, median / p99", f"{ms(f_med)} / {ms(f_p99)}")
+    header = ["state", "bytes", "patch/step", "samples", "plain/step", "engine/step"]
+    header += ["overhead med", "/floor med", "overhead p99", "/floor p99", "wal_sync/steps"]
+    print(table(rows, header))
+    return figures
+
+
+def _size_figures(
+    b: Bench, figures: dict[int, tuple[float, float]], f_med: float, f_p99: float
+) -> None:
     for kb in SIZES_KB:
         over_med, over_p99 = figures[kb]
         r_med, r_p99 = ratio(over_med, f_med), ratio(over_p99, f_p99)
@@ -340,6 +347,12 @@ def report(
         big_med <= 2.0,
     )
     b.add("overhead", "1 MB p99 overhead / 10 KB p99 overhead (info)", fmt_ratio(big_p99))
+
+
+def _level_figures(
+    b: Bench, r: Results, figures: dict[int, tuple[float, float]], f_med: float
+) -> None:
+    relaxed, periodic, waited = r.relaxed, r.periodic, r.waited
     over_relaxed = median(relaxed.engine) - median(relaxed.plain)
     b.add(
         "overhead",
@@ -364,19 +377,22 @@ def report(
         f" (sent ahead: {fmt_ratio(ratio(figures[10][0], f_med))})",
     )
     b.add("overhead", "replicated level", "not measured: this server has no synchronous standby")
-    over_call = median(with_call.engine) - median(with_call.plain)
+    over_call = median(r.with_call.engine) - median(r.with_call.plain)
     b.add(
         "overhead",
         "10 KB + 1 journaled call per step (info)",
         f"{ms(over_call)} = {fmt_ratio(ratio(over_call, f_med))} floor",
     )
-    over_window = median(window.engine) - median(window.plain)
+    over_window = median(r.window.engine) - median(r.window.plain)
     b.add(
         "overhead",
         "1 MB sliding window, 1 KB change per step (info)",
         f"{ms(over_window)} = {fmt_ratio(ratio(over_window, f_med))} floor,"
-        f" patch {size(median(window.patch_bytes))}/step",
+        f" patch {size(median(r.window.patch_bytes))}/step",
     )
+
+
+def _wal_figure(b: Bench, all_samples: list[tuple[Any, Samples]]) -> None:
     strict_samples = [s for name, s in all_samples if name not in ("relaxed", "periodic")]
     steps = sum(s.steps for s in strict_samples)
     syncs = sum(s.wal_syncs for s in strict_samples)

@@ -9,6 +9,7 @@ import json
 import random
 import subprocess
 import sys
+from typing import Any
 
 from bench.common import Bench, doorbell, execute_until_done, fmt_ratio, truncate_product_tables
 from bench.procs import ROOT
@@ -33,11 +34,29 @@ def probe(b: Bench, op: str, arg: object) -> dict:
 def run(b: Bench) -> None:
     from django.db import connection
 
+    print("\n== Rebuild, cold (1 MB state, 1,000 checkpoints)")
+    truncate_product_tables()
+    run_id, ids, state_bytes = _build()
+    with connection.cursor() as cur:
+        cur.execute("DROP TABLE IF EXISTS bench_whole")
+        cur.execute("CREATE TABLE bench_whole (id integer PRIMARY KEY, state text NOT NULL)")
+        cur.execute("INSERT INTO bench_whole VALUES (1, %s)", [state_bytes.decode()])
+    repeats = 5 if b.quick else 15
+    rng = random.Random(b.seed)
+    results = _measure(b, rng, ids, run_id, repeats)
+    _report(b, results, state_bytes, repeats)
+    if b.profile:
+        profile_rebuild(ids[rng.randint(1, max(ids) - 1)])
+    with connection.cursor() as cur:
+        cur.execute("DROP TABLE IF EXISTS bench_whole")
+    truncate_product_tables()
+
+
+def _build() -> tuple[Any, dict[int, int], bytes]:
+    """The run measured: (its id, checkpoint id per seq, its latest state's bytes)."""
     from durability import canonical, checkpoints, operations
     from durability.models import Checkpoint
 
-    print("\n== Rebuild, cold (1 MB state, 1,000 checkpoints)")
-    truncate_product_tables()
     with doorbell(False):
         # 999 steps after the start checkpoint: 1,000 checkpoints in all.
         run_ = operations.start("bench-ring", {"kb": 1024, "n": 999}, by="bench")
@@ -45,7 +64,6 @@ def run(b: Bench) -> None:
     if outcome != "succeeded":
         raise RuntimeError(f"building the run ended {outcome}")
     ids = dict(Checkpoint.objects.filter(run=run_).values_list("seq", "id"))
-    latest_seq = max(ids)
     print(f"run {run_.id}: {len(ids)} checkpoints, snapshots at seq", end=" ")
     print(
         sorted(
@@ -54,28 +72,30 @@ def run(b: Bench) -> None:
             )
         )
     )
-    latest = checkpoints.rebuild(ids[latest_seq])
-    state_bytes = canonical.dumps(latest.state)
-    with connection.cursor() as cur:
-        cur.execute("DROP TABLE IF EXISTS bench_whole")
-        cur.execute("CREATE TABLE bench_whole (id integer PRIMARY KEY, state text NOT NULL)")
-        cur.execute("INSERT INTO bench_whole VALUES (1, %s)", [state_bytes.decode()])
+    latest = checkpoints.rebuild(ids[max(ids)])
+    return run_.id, ids, canonical.dumps(latest.state)
 
-    repeats = 5 if b.quick else 15
-    rng = random.Random(b.seed)
+
+def _measure(
+    b: Bench, rng: random.Random, ids: dict[int, int], run_id: Any, repeats: int
+) -> dict[str, list[dict]]:
+    latest_seq = max(ids)
     results: dict[str, list[dict]] = {"latest": [], "older": [], "whole": [], "list": []}
     for r in range(repeats):
         jobs = [
             ("latest", "rebuild", ids[latest_seq]),
             ("older", "rebuild", ids[rng.randint(1, latest_seq - 1)]),
             ("whole", "whole", 1),
-            ("list", "list", run_.id),
+            ("list", "list", run_id),
         ]
         rng.shuffle(jobs)  # no measurement always runs first, after the others, etc.
         for name, op, arg in jobs:
             results[name].append(probe(b, op, arg))
         print(f"  repeat {r + 1}/{repeats} done")
+    return results
 
+
+def _report(b: Bench, results: dict[str, list[dict]], state_bytes: bytes, repeats: int) -> None:
     whole_med = median([x["cold_s"] for x in results["whole"]])
     rows = []
     for name in ("latest", "older", "whole", "list"):
@@ -111,6 +131,10 @@ def run(b: Bench) -> None:
         worst_read < 2.0,
     )
     b.add("rebuild", "whole-row fetch + orjson parse, cold median", ms(whole_med))
+    _rebuild_figures(b, results, whole_med)
+
+
+def _rebuild_figures(b: Bench, results: dict[str, list[dict]], whole_med: float) -> None:
     for name in ("latest", "older"):
         cold = median([x["cold_s"] for x in results[name]])
         b.add(
@@ -141,11 +165,6 @@ def run(b: Bench) -> None:
         "list 1,000 checkpoints, warm median (info)",
         ms(median([x["warm_s"] for x in results["list"]])),
     )
-    if b.profile:
-        profile_rebuild(ids[rng.randint(1, latest_seq - 1)])
-    with connection.cursor() as cur:
-        cur.execute("DROP TABLE IF EXISTS bench_whole")
-    truncate_product_tables()
 
 
 def profile_rebuild(checkpoint_id: int) -> None:

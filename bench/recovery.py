@@ -143,8 +143,6 @@ def _missed(runs: list[Any], log: Path, k: int) -> None:
 
 
 def run(b: Bench) -> None:
-    import orjson
-
     print("\n== Recovery after SIGKILL of the pool process (default settings)")
     truncate_product_tables()
     kills = 10 if b.quick else 30
@@ -185,30 +183,34 @@ def run(b: Bench) -> None:
         _cancel(runs)
         worker.stop()
         beat.stop()
-    noticed = noticed_deaths(worker.text())
+    _report_pool(b, worker.text(), runs, times, kills_at, (kills, failures))
+
+
+def _report_pool(
+    b: Bench,
+    worker_log: str,
+    runs: list[Any],
+    times: list[float],
+    kills_at: list[tuple[int, float, float]],
+    counts: tuple[int, int],
+) -> None:
+    import orjson
+
+    kills, failures = counts
+    noticed = noticed_deaths(worker_log)
     detect = [noticed[v] - k for v, k, _ in kills_at if v in noticed]
     resume = [s - noticed[v] for v, _, s in kills_at if v in noticed]
     lost = _events(runs, "lease_lost")
     recovered = [orjson.loads(d) for d in _events(runs, "recovered")]
     product_ms = [d["recovery_ms"] for d in recovered if d.get("recovery_ms") is not None]
     p50, p95 = median(times), percentile(times, 95)
-
-    def line(name: str, values: list[float]) -> list[object]:
-        return [
-            name,
-            len(values),
-            f"{median(values):.3f} s",
-            f"{percentile(values, 95):.3f} s",
-            f"{max(values, default=0):.3f} s",
-        ]
-
     rows = [
-        line("kill -> step running again (side channel)", times),
-        line("  kill -> Celery logs the pool child's death", detect),
-        line("  death logged -> step running again", resume),
-        line("product's recovered events (last sign -> claim)", [x / 1000 for x in product_ms]),
+        _line("kill -> step running again (side channel)", times),
+        _line("  kill -> Celery logs the pool child's death", detect),
+        _line("  death logged -> step running again", resume),
+        _line("product's recovered events (last sign -> claim)", [x / 1000 for x in product_ms]),
     ]
-    print(table(rows, ["figure", "n", "p50", "p95", "max"]))
+    print(table(rows, _HEADER))
     print(f"lease_lost events (the sweeper found the process gone): {len(lost)}; runs: {len(runs)}")
     b.add(
         "recovery",
@@ -225,6 +227,16 @@ def run(b: Bench) -> None:
             "  kill -> Celery notices the dead child, p50 / p95",
             f"{median(detect):.3f} s / {percentile(detect, 95):.3f} s",
         )
+
+
+def _line(name: str, values: list[float]) -> list[object]:
+    return [
+        name,
+        len(values),
+        f"{median(values):.3f} s",
+        f"{percentile(values, 95):.3f} s",
+        f"{max(values, default=0):.3f} s",
+    ]
 
 
 def run_node(b: Bench) -> None:
@@ -248,52 +260,20 @@ def run_node(b: Bench) -> None:
     workers = [new_worker(), new_worker()]
     beat = procs.Beat("node-beat", env, b.folder).start()
     log = b.folder / "node-steps.log"
-    channel = SideChannel(log)
     times: list[float] = []
-    failures = 0
     runs: list[Any] = []
     try:
         _start_tick(runs, log)
+        channel = SideChannel(log)
         if channel.wait_for(lambda e: True, timeout=60) is None:
             raise RuntimeError(f"no step started within 60 s; see {workers[0].log_path}")
-        for k in range(kills):
-            time.sleep(rng.uniform(0.05, 2.0))
-            executing = _executing_pid(runs[-1], _AnyPool(workers))
-            victim = next(w for w in workers if executing in w.pool())
-            gone = {victim.pid, *victim.pool()}
-            killed_at = time.time()
-            os.killpg(victim.pid, signal.SIGKILL)
-            entry = channel.wait_for(
-                lambda e, t=killed_at, g=gone: e.at > t and e.pid not in g, 120
-            )
-            victim.stop(grace=0)  # reap it
-            workers.remove(victim)
-            if entry is None:
-                failures += 1
-                _missed(runs, log, k)
-            else:
-                times.append(entry.at - killed_at)
-                print(f"  kill {k + 1}/{kills}: step running again after {times[-1] * 1000:.0f} ms")
-            workers.append(new_worker())  # back to two, for the next kill
+        failures = _kill_nodes(kills, rng, (workers, new_worker), runs, channel, times)
     finally:
         _cancel(runs)
         for w in workers:
             w.stop()
         beat.stop()
-    print(
-        table(
-            [
-                [
-                    "kill -> step running again on the other worker",
-                    len(times),
-                    f"{median(times):.3f} s",
-                    f"{percentile(times, 95):.3f} s",
-                    f"{max(times, default=0):.3f} s",
-                ]
-            ],
-            ["figure", "n", "p50", "p95", "max"],
-        )
-    )
+    print(table([_line("kill -> step running again on the other worker", times)], _HEADER))
     b.add(
         "recovery",
         "whole worker killed: kills / recovered / not recovered in 120 s",
@@ -310,6 +290,42 @@ def run_node(b: Bench) -> None:
     )
 
 
+_HEADER = ["figure", "n", "p50", "p95", "max"]
+
+
+def _kill_nodes(
+    kills: int,
+    rng: random.Random,
+    pool: tuple[list[procs.Worker], Any],
+    runs: list[Any],
+    channel: SideChannel,
+    times: list[float],
+) -> int:
+    """Kill the worker executing the run ``kills`` times, replacing it each time (``pool``:
+    the workers and the function that starts one); appends each recovery time to
+    ``times``, returns how many kills were not recovered."""
+    workers, new_worker = pool
+    failures = 0
+    for k in range(kills):
+        time.sleep(rng.uniform(0.05, 2.0))
+        executing = _executing_pid(runs[-1], _AnyPool(workers))
+        victim = next(w for w in workers if executing in w.pool())
+        gone = {victim.pid, *victim.pool()}
+        killed_at = time.time()
+        os.killpg(victim.pid, signal.SIGKILL)
+        entry = channel.wait_for(lambda e, t=killed_at, g=gone: e.at > t and e.pid not in g, 120)
+        victim.stop(grace=0)  # reap it
+        workers.remove(victim)
+        if entry is None:
+            failures += 1
+            _missed(runs, channel.path, k)
+        else:
+            times.append(entry.at - killed_at)
+            print(f"  kill {k + 1}/{kills}: step running again after {times[-1] * 1000:.0f} ms")
+        workers.append(new_worker())  # back to two, for the next kill
+    return failures
+
+
 class _AnyPool:
     """The pool processes of several workers, as ``_executing_pid`` asks one worker's."""
 
@@ -322,11 +338,9 @@ class _AnyPool:
 
 def soak(b: Bench, seconds: float) -> None:
     """No false lease expiry while the CPU is oversubscribed twice over."""
-    from django.db import connection
     from django.utils import timezone
 
     from durability import operations
-    from durability.models import Run
 
     cores = os.cpu_count() or 2
     print(f"\n== Soak: {seconds:.0f} s, {2 * cores} CPU burners on {cores} cores")
@@ -348,24 +362,42 @@ def soak(b: Bench, seconds: float) -> None:
             runs.append(operations.start("bench-tick", {"spin_s": 0.05}).id)
             runs.append(operations.start("bench-tick", {"sleep_s": 40}).id)
         burners = procs.burners(2 * cores, b.child_env(), b.folder)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            with connection.cursor() as cur:
-                cur.execute(
-                    "SELECT extract(epoch FROM min(lease_expires_at - now()))"
-                    " FROM durability_run WHERE id = ANY(%s) AND status = 'running'",
-                    [runs],
-                )
-                margin = cur.fetchone()[0]
-            if margin is not None:
-                margins.append(float(margin))
-            time.sleep(1.0)
+        margins = _lease_margins(runs, seconds)
     finally:
         for p in burners:
             p.stop(grace=0)
         _cancel(runs)
         worker.stop()
         beat.stop()
+    _report_soak(b, runs, since, margins, seconds)
+    truncate_product_tables()
+
+
+def _lease_margins(runs: list[Any], seconds: float) -> list[float]:
+    """Every second for ``seconds``: how long the nearest lease of the runs still has."""
+    from django.db import connection
+
+    margins: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT extract(epoch FROM min(lease_expires_at - now()))"
+                " FROM durability_run WHERE id = ANY(%s) AND status = 'running'",
+                [runs],
+            )
+            margin = cur.fetchone()[0]
+        if margin is not None:
+            margins.append(float(margin))
+        time.sleep(1.0)
+    return margins
+
+
+def _report_soak(
+    b: Bench, runs: list[Any], since: datetime, margins: list[float], seconds: float
+) -> None:
+    from durability.models import Run
+
     lost = _events(runs, "lease_lost", since)
     recovered = _events(runs, "recovered", since)
     heads = dict(Run.objects.filter(pk__in=runs).values_list("id", "head_seq"))
@@ -387,4 +419,3 @@ def soak(b: Bench, seconds: float) -> None:
         "smallest lease margin seen (lease 30 s, heartbeat 10 s)",
         f"{min(margins, default=float('nan')):.1f} s",
     )
-    truncate_product_tables()

@@ -23,7 +23,7 @@ def table_sizes() -> dict[str, int]:
 
 def run(b: Bench) -> None:
     from durability import operations
-    from durability.models import Run, Snapshot
+    from durability.models import Run
 
     print("\n== Storage after N steps appending 1 KB each")
     total_steps = 500
@@ -57,11 +57,17 @@ def run(b: Bench) -> None:
                     size(total - totals[mark - 100]),
                 ]
             )
+    _print_sizes(run_.id, empty, rows, last)
+    _figures(b, totals, state_size)
+    truncate_product_tables()
+
+
+def _print_sizes(run_id: object, empty: int, rows: list[list], last: dict[str, int]) -> None:
+    from durability.models import Snapshot
+
     print(f"empty product tables (indexes' first pages): {size(empty)}")
     snapshots = sorted(
-        Snapshot.objects.filter(checkpoint__run_id=run_.id).values_list(
-            "checkpoint__seq", flat=True
-        )
+        Snapshot.objects.filter(checkpoint__run_id=run_id).values_list("checkpoint__seq", flat=True)
     )
     print(f"snapshots at checkpoint seq {snapshots}")
     print(table(rows, ["steps", "state", "all product tables", "ratio", "growth /100 steps"]))
@@ -71,6 +77,9 @@ def run(b: Bench) -> None:
             ["table (after 500 steps)", "total relation size"],
         )
     )
+
+
+def _figures(b: Bench, totals: dict[int, int], state_size: int) -> None:
     final = ratio(totals[500], state_size)
     b.add(
         "storage",
@@ -93,4 +102,3 @@ def run(b: Bench) -> None:
         "~1x (linear; quadratic 2x)",
         growth <= 1.3,
     )
-    truncate_product_tables()

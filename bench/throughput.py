@@ -31,8 +31,6 @@ def noop_rate(b: Bench, client: redis.Redis, key: str, count: int, timeout: floa
 
 def run(b: Bench) -> None:
     from config.celery import app
-    from durability import operations
-    from durability.models import Run, RunStatus
 
     print("\n== Throughput through Celery")
     client = redis.Redis.from_url(b.broker_url)
@@ -63,17 +61,7 @@ def run(b: Bench) -> None:
         ).start()
         try:
             tasks_per_s = noop_rate(b, client, key, noops, timeout=300)
-            ids: list[Any] = []
-            started = time.perf_counter()
-            with doorbell(True):
-                for _ in range(runs_n):
-                    ids.append(operations.start("bench-ring", {"kb": 1, "n": steps_n}).id)
-            give_up = time.monotonic() + 600
-            while Run.objects.filter(pk__in=ids).exclude(status=RunStatus.SUCCEEDED).exists():
-                if time.monotonic() > give_up:
-                    raise RuntimeError("throughput runs did not finish within 600 s")
-                time.sleep(0.02)
-            elapsed = time.perf_counter() - started
+            elapsed = _run_through(runs_n, steps_n)
         finally:
             worker.stop()
         steps_per_s = runs_n * steps_n / elapsed
@@ -93,3 +81,21 @@ def run(b: Bench) -> None:
     print(f"{runs_n} runs x {steps_n} steps (1 KB state) per line; {noops} no-op tasks")
     print(table(rows, ["processes", "no-op tasks", "engine steps", "steps / no-op"]))
     truncate_product_tables()
+
+
+def _run_through(runs_n: int, steps_n: int) -> float:
+    """Seconds for ``runs_n`` runs of ``steps_n`` steps to succeed through the workers."""
+    from durability import operations
+    from durability.models import Run, RunStatus
+
+    ids: list[Any] = []
+    started = time.perf_counter()
+    with doorbell(True):
+        for _ in range(runs_n):
+            ids.append(operations.start("bench-ring", {"kb": 1, "n": steps_n}).id)
+    give_up = time.monotonic() + 600
+    while Run.objects.filter(pk__in=ids).exclude(status=RunStatus.SUCCEEDED).exists():
+        if time.monotonic() > give_up:
+            raise RuntimeError("throughput runs did not finish within 600 s")
+        time.sleep(0.02)
+    return time.perf_counter() - started

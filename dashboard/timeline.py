@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from django.utils.dateparse import parse_datetime
 
 from dashboard import params
-from durability import approvals, canonical
+from dashboard.timeline_events import DESCRIBE, human_bytes, human_ms  # noqa: F401 (template filters)
+from durability import canonical
 from durability.models import (
     CallKind,
     Effect,
@@ -102,43 +102,7 @@ class Item:
         return (self.at, self.order, self.ident)
 
 
-def human_ms(ms: Any) -> str:
-    if ms is None:
-        return "?"
-    try:
-        ms = float(ms)
-    except (TypeError, ValueError):
-        return "?"
-    if ms == 0:
-        return "0 ms"
-    if ms < 1:
-        return f"{ms:.2f} ms"
-    if ms < 1000:
-        return f"{ms:.0f} ms"
-    seconds = ms / 1000
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, seconds = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {seconds} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
-
-
-def human_bytes(n: Any) -> str:
-    try:
-        n = int(n)
-    except (TypeError, ValueError):
-        return "?"
-    if n < 1024:
-        return f"{n} B"
-    if n < 1024 * 1024:
-        return f"{n / 1024:.1f} KB" if n < 10 * 1024 else f"{n // 1024} KB"
-    return f"{n / (1024 * 1024):.1f} MB"
-
-
 def _event_item(e: Event) -> Item:
-    d = canonical.loads_object(e.data)
     item = Item(
         e.created_at,
         1,
@@ -152,127 +116,30 @@ def _event_item(e: Event) -> Item:
         reason=e.reason,
         worker=e.worker,
     )
-    kind = e.kind
-    if kind == EventKind.CHECKPOINT:
-        item.title = f"checkpoint #{e.seq}"
-        item.detail = f"after {e.step}" if e.step else ""
-        if "bytes" in d:
-            item.facts.append(("state", human_bytes(d["bytes"])))
-        if "delta" in d:
-            item.facts.append(("patch", f"{human_bytes(d['delta'])}, {d.get('ops', '?')} ops"))
-        if d.get("upgraded_from") is not None:
-            item.facts.append(("upgraded from schema", str(d["upgraded_from"])))
-    elif kind == EventKind.CREATED:
-        item.detail = f"{d.get('agent', '')}@{d.get('version', '')}"
-    elif kind == EventKind.CLAIMED:
-        item.title = "claimed"
-        item.detail = f"by {e.worker}" if e.worker else ""
-        if d.get("attempt"):
-            item.facts.append(("attempt", str(d["attempt"])))
-    elif kind == EventKind.RETRY_SCHEDULED:
-        item.title = f"retry {d.get('retry', '')} scheduled"
-        item.detail = str(d.get("error", ""))
-        if "delay_s" in d:
-            item.facts.append(("in", human_ms(float(d["delay_s"]) * 1000)))
-    elif kind == EventKind.SUSPENDED:
-        item.title = "waiting"
-        item.detail = " ".join(str(x) for x in (d.get("reason", ""), d.get("detail", "")) if x)
-    elif kind == EventKind.LEASE_LOST:
-        item.title = "lease lost"
-        item.detail = f"worker {e.worker}: {e.reason}" if e.worker else e.reason
-    elif kind == EventKind.RECOVERED:
-        item.title = "recovered"
-        item.detail = f"on {e.worker}" if e.worker else ""
-        item.facts.append(("after", human_ms(d.get("recovery_ms"))))
-        item.facts.append(("work lost", human_ms(d.get("work_lost_ms"))))
-    elif kind == EventKind.APPROVAL_REQUESTED:
-        item.title = "approval requested"
-        item.detail = str(d.get("name", ""))
-    elif kind == EventKind.APPROVAL_DECIDED:
-        verdict = "approved" if d.get("approved") else "rejected"
-        edited = " with edits" if d.get("edited") else ""
-        timed_out = " (timed out)" if d.get("timeout") else ""
-        item.title = f"{d.get('name', 'approval')} {verdict}{edited}{timed_out}"
-        changes = d.get("changes")
-        if isinstance(changes, list) and changes:
-            # What the operator changed, asked -> decided (values as the event keeps them).
-            item.detail = approvals.describe([c for c in changes if isinstance(c, dict)])
-    elif kind == "approval_escalated":
-        item.title = f"{d.get('name', 'approval')} escalated"
-        item.detail = f"to {d.get('to', '?')}"
-    elif kind == EventKind.EFFECT_IN_DOUBT:
-        item.title = "effect in doubt"
-        item.detail = str(d.get("key", ""))
-    elif kind == EventKind.EFFECT_RESOLVED:
-        item.title = f"effect {d.get('key', '')} resolved: {d.get('outcome', '')}"
-    elif kind == EventKind.ROLLBACK:
-        item.title = f"rolled back to #{d.get('to', '?')}"
-        item.detail = f"new head #{d.get('new_head', e.seq)}"
-        undone = d.get("done_not_undone") or []
-        if undone:
-            item.facts.append(("effects done, not undone", str(len(undone))))
-        if d.get("held"):
-            item.facts.append(("then", "on hold until continued"))
-    elif kind == EventKind.COMPENSATED:
-        item.title = f"effect {d.get('key', '')} compensated"
-        item.detail = e.reason
-        item.facts.append(("by", str(d.get("function", "")).rsplit(".", 1)[-1]))
-        item.facts.append(("idempotency key", str(d.get("idempotency_key", ""))))
-    elif kind == EventKind.EFFECT_REUSED:
-        item.title = f"effect {d.get('key', '')}: recorded outcome reused"
-        item.detail = "the abandoned branch's outcome, same arguments: nothing sent again"
-    elif kind == EventKind.FORK:
-        if "fork" in d:
-            item.title = f"forked from #{d.get('from', '?')}"
-            item.link_run = str(d["fork"])
-            item.detail = "into a new run" + (" with edited state" if d.get("edited") else "")
-        else:
-            item.title = f"fork of #{d.get('from', '?')}"
-            item.link_run = str(d.get("source", ""))
-            item.detail = "with edited state" if d.get("edited") else "same state"
-        if d.get("what_if"):
-            item.facts.append(
-                ("what-if", "effects run" if d.get("live") else "effects only recorded")
-            )
-    elif kind == "diverged":
-        item.title = "diverged from the source run"
-        item.detail = f"first new call: {d.get('key', '?')} (the calls before it were reused)"
-    elif kind == "spawned":
-        item.title = f"spawned a {d.get('agent', '')} child"
-        item.link_run = str(d.get("child", ""))
-        item.detail = str(d.get("key", ""))
-    elif kind == "child_finished":
-        item.title = f"child {d.get('status', 'finished')}"
-        item.link_run = str(d.get("child", ""))
-        item.detail = str(d.get("error", ""))
-    elif kind in ("message_received", "message_consumed"):
-        item.title = f"message {d.get('name', '')} {kind.rsplit('_', 1)[1]}"
-        if d.get("bytes") is not None:
-            item.facts.append(("size", human_bytes(d["bytes"])))
-    elif kind in ("alarm", EventKind.FAILED):
-        item.detail = e.reason
-    elif kind == EventKind.SUCCEEDED and d.get("outcome"):
-        item.detail = str(d["outcome"])
-    elif kind == EventKind.RESUMED:
-        item.detail = f"from {d.get('from', '?')}"
-    elif kind == EventKind.COMMIT_FAILED:
-        item.detail = f"{d.get('failed_commits', '?')} commit attempt(s) failed, then succeeded"
-    elif kind == EventKind.INTEGRITY:
-        item.detail = e.reason
-    if e.commit_us is not None and kind != EventKind.COMMIT_LATENCY:
+    describe = DESCRIBE.get(e.kind)
+    if describe is not None:
+        describe(item, e, canonical.loads_object(e.data))
+    _commit_latency(item, e)
+    item.tone = _tone(e)
+    return item
+
+
+def _commit_latency(item: Item, e: Event) -> None:
+    if e.commit_us is not None and e.kind != EventKind.COMMIT_LATENCY:
         item.facts.append(("previous commit", human_ms(e.commit_us / 1000)))
-    elif kind == EventKind.COMMIT_LATENCY:
+    elif e.kind == EventKind.COMMIT_LATENCY:
         item.title = "commit latency"
         item.detail = human_ms((e.commit_us or 0) / 1000)
+
+
+def _tone(e: Event) -> str:
     if e.actor:
-        item.tone = "operator"
-    elif kind in ALERT:
-        item.tone = "alert"
-    elif kind in QUIET:
-        item.tone = "quiet"
-    elif kind == EventKind.SUCCEEDED:
-        item.tone = "done"
-    return item
+        return "operator"
+    if e.kind in ALERT:
+        return "alert"
+    if e.kind in QUIET:
+        return "quiet"
+    return "done" if e.kind == EventKind.SUCCEEDED else ""
 
 
 def _event_items(e: Event) -> list[Item]:

@@ -2,9 +2,10 @@
 
 What agent authors import::
 
-    from durability import Agent, END, Transient, RateLimited, Permanent
+    from durability import Agent, END, Transient, RateLimited, Permanent, RetryPolicy
 
-    agent = Agent("research", version=3, schema=ResearchState)
+    agent = Agent("research", version=3, schema=ResearchState,
+                  retry=RetryPolicy(max_retries=6, base=0.5, cap=10))
 
     @agent.step(start=True)
     def think(state, ctx):
@@ -41,6 +42,7 @@ from durability.errors import (
     UnknownCheckpoint,
     UnknownRun,
 )
+from durability.policies import DurabilityPolicy, Limits, Retention, RetryPolicy
 
 _OPERATIONS = (
     "start",
@@ -67,14 +69,18 @@ __all__ = [
     "Context",
     "Decision",
     "DurabilityError",
+    "DurabilityPolicy",
     "EditRefused",
     "EffectFailed",
     "IntegrityViolation",
     "InvalidInput",
     "InvalidTransition",
+    "Limits",
     "NonDeterminismError",
     "Permanent",
     "RateLimited",
+    "Retention",
+    "RetryPolicy",
     "SchemaViolation",
     "StateNotJSON",
     "StateTooLarge",

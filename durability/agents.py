@@ -5,16 +5,31 @@ the steps form a pipeline: returning ``None`` moves to the next one and the last
 run. Given with the ``@agent.step`` decorator, returning ``None`` ends the run. Returning
 ``END`` ends it from anywhere; ``END("declined")`` also names how it ended (its outcome,
 shown beside its status), as does ``ctx.outcome("declined")`` in the step that ends it.
+
+What the agent is (name, version, steps, schema and its versions) are keywords of their own;
+how it is run is grouped in small frozen policy objects (durability.policies), after
+Temporal's ``RetryPolicy``: ``retry=RetryPolicy(...)``, ``durability=`` a level's name or a
+``DurabilityPolicy``, ``limits=Limits(...)``, ``retention=Retention(...)``. An agent that
+needs none names none: ``Agent("echo", steps=[echo])``. The policies are the one spelling,
+not flat keywords beside them: there is nothing to reconcile when both are given, each policy
+is checked, named in its errors and shared between agents as one value, and ``__init__``
+stays short. The old flat keywords are refused with the spelling that replaced them.
 """
 
 from __future__ import annotations
 
 import importlib
-import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from durability.errors import AgentDefinitionError, SchemaViolation, UnknownAgent
+from durability.policies import (
+    DurabilityPolicy,
+    Limits,
+    Retention,
+    RetryPolicy,
+    policy,
+)
 
 OUTCOME_MAX = 120  # Run.outcome's column
 
@@ -55,14 +70,40 @@ def checked_outcome(outcome: Any) -> str:
 
 
 END = _End("__end__")
-DURABILITY_LEVELS = ("strict", "relaxed", "replicated", "periodic")
 
 StepFn = Callable[[dict, Any], "str | None"]
 Upgrade = Callable[[dict], dict]
 
 
+# The options that became policies, and where each went: an agent written against the flat
+# keywords is told what to write instead of only "unexpected keyword argument".
+_MOVED = {
+    "max_retries": "retry=RetryPolicy(max_retries=...)",
+    "retry_base": "retry=RetryPolicy(base=...)",
+    "retry_cap": "retry=RetryPolicy(cap=...)",
+    "transient": "retry=RetryPolicy(transient=(...))",
+    "periodic_steps": 'durability=DurabilityPolicy("periodic", every_steps=...)',
+    "periodic_seconds": 'durability=DurabilityPolicy("periodic", every_seconds=...)',
+    "max_concurrent": "limits=Limits(max_concurrent=...)",
+    "keep_days": "retention=Retention(keep_days=...)",
+    "keep_checkpoints": "retention=Retention(keep_checkpoints=...)",
+    "compact_after_days": "retention=Retention(compact_after_days=...)",
+}
+
+
+def _refuse_options(name: str, options: Mapping[str, Any]) -> None:
+    for option in options:
+        instead = _MOVED.get(option)
+        raise AgentDefinitionError(
+            f"agent {name}: {option}= is now {instead}"
+            if instead
+            else f"agent {name}: unknown option {option}="
+        )
+
+
 class Agent:
-    """An agent definition. Creating one registers it under its name."""
+    """An agent definition. Creating one registers it under its name; its run options are
+    the policies of durability.policies (see the module's docstring)."""
 
     def __init__(
         self,
@@ -77,26 +118,20 @@ class Agent:
         initial_state: Callable[[Any], dict] | None = None,
         schema_version: int = 1,
         upgrades: Mapping[int, Upgrade] | None = None,
-        transient: tuple[type[BaseException], ...] = (),
-        max_retries: int = 5,
-        retry_base: float = 1.0,
-        retry_cap: float = 300.0,
-        step_timeout: float | None = None,
-        durability: str = "strict",
-        periodic_steps: int = 10,
-        periodic_seconds: float = 5.0,
         compatible_versions: Iterable[str | int] = (),
-        max_concurrent: int | None = None,
-        limits: Mapping[str, str] | None = None,
-        keep_days: float | None = None,
-        keep_checkpoints: str = "all",
-        compact_after_days: float = 7.0,
+        step_timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        durability: str | DurabilityPolicy = "strict",
+        limits: Limits | None = None,
+        retention: Retention | None = None,
         packages: Iterable[str] = (),
         description: str = "",
         register: bool = True,
+        **moved: Any,
     ) -> None:
         if not name or not isinstance(name, str):
             raise AgentDefinitionError("an agent needs a non-empty name")
+        _refuse_options(name, moved)
         self.name = name
         self.version = str(version)
         self.description = description
@@ -106,48 +141,34 @@ class Agent:
         self._initial_state = initial_state
         self.schema_version = int(schema_version)
         self.upgrades = dict(upgrades or {})
-        self.transient = tuple(transient)
-        self.max_retries = max_retries
-        self.retry_base = retry_base
-        self.retry_cap = retry_cap
-        self.step_timeout = step_timeout
-        if durability not in DURABILITY_LEVELS:
-            raise AgentDefinitionError(
-                f"agent {name}: durability must be one of {', '.join(DURABILITY_LEVELS)},"
-                f" not {durability!r}"
-            )
-        self.durability = durability
-        # The periodic level: a checkpoint every ``periodic_steps`` steps or
-        # ``periodic_seconds`` seconds, the steps between kept in memory.
-        if periodic_steps < 1 or periodic_seconds <= 0:
-            raise AgentDefinitionError(f"agent {name}: periodic_steps and _seconds must be > 0")
-        self.periodic_steps = periodic_steps
-        self.periodic_seconds = periodic_seconds
         # Older versions whose checkpoints this one may continue as they are (same state
         # shape, other code); other versions need a schema upgrade.
         self.compatible_versions = frozenset(str(v) for v in compatible_versions)
         self.package_names = tuple(packages)
-        # At most this many runs of the agent execute at once, across all workers.
-        if max_concurrent is not None and max_concurrent < 1:
-            raise AgentDefinitionError(f"agent {name}: max_concurrent must be at least 1")
-        self.max_concurrent = max_concurrent
-        # Call key -> rate-limited resource (see durability.limits).
-        self.limits = dict(limits or {})
-        # Retention: finished runs are deleted ``keep_days`` after they end (never: None);
-        # with keep_checkpoints="snapshots", a finished run's checkpoints older than
-        # ``compact_after_days`` are folded into snapshots.
-        if keep_checkpoints not in ("all", "snapshots"):
-            raise AgentDefinitionError(
-                f"agent {name}: keep_checkpoints must be 'all' or 'snapshots'"
-            )
-        self.keep_days = keep_days
-        self.keep_checkpoints = keep_checkpoints
-        self.compact_after_days = compact_after_days
+        self.step_timeout = step_timeout
+        try:
+            self.retry = policy("retry", retry, RetryPolicy)
+            self.durability_policy = policy("durability", durability, DurabilityPolicy, str)
+            # limits.get(call key) -> rate-limited resource (see durability.limits).
+            self.limits = policy("limits", limits, Limits)
+            self.retention = policy("retention", retention, Retention)
+        except AgentDefinitionError as exc:
+            raise AgentDefinitionError(f"agent {name}: {exc.message}") from None
         self._fingerprint: tuple[str, str] | None = None
         self.steps: dict[str, StepFn] = {}
         self.order: list[str] = []
         self.pipeline = False
         self.start = start
+        self._add_steps(steps)
+        self._check_upgrades()
+        self._validators = _build_validators(schema)
+        self._input_validators = _build_validators(input_schema)
+        if register:
+            registry.register(self)
+
+    # --- definition -------------------------------------------------------------------------
+
+    def _add_steps(self, steps: Sequence[StepFn] | Mapping[str, StepFn] | None) -> None:
         if isinstance(steps, Mapping):
             for step_name, fn in steps.items():
                 self._add(step_name, fn)
@@ -155,18 +176,14 @@ class Agent:
             self.pipeline = True
             for fn in steps:
                 self._add(fn.__name__, fn)
+
+    def _check_upgrades(self) -> None:
         for version_from in self.upgrades:
             if not 1 <= version_from < self.schema_version:
                 raise AgentDefinitionError(
-                    f"agent {name}: upgrade from schema version {version_from} does not lead"
-                    f" to {self.schema_version}"
+                    f"agent {self.name}: upgrade from schema version {version_from} does not"
+                    f" lead to {self.schema_version}"
                 )
-        self._validators = _build_validators(schema)
-        self._input_validators = _build_validators(input_schema)
-        if register:
-            registry.register(self)
-
-    # --- definition -------------------------------------------------------------------------
 
     def _add(self, step_name: str, fn: StepFn) -> None:
         if step_name in self.steps:
@@ -315,23 +332,57 @@ class Agent:
             return all(v in self.upgrades for v in range(schema_version, self.schema_version))
         return False
 
-    # --- retries ----------------------------------------------------------------------------
+    # --- the policies' values, as the engine reads them --------------------------------------
+
+    @property
+    def durability(self) -> str:
+        return self.durability_policy.level
+
+    @property
+    def periodic_steps(self) -> int:
+        return self.durability_policy.every_steps
+
+    @property
+    def periodic_seconds(self) -> float:
+        return self.durability_policy.every_seconds
+
+    @property
+    def max_retries(self) -> int:
+        return self.retry.max_retries
+
+    @property
+    def retry_base(self) -> float:
+        return self.retry.base
+
+    @property
+    def retry_cap(self) -> float:
+        return self.retry.cap
+
+    @property
+    def transient(self) -> tuple[type[BaseException], ...]:
+        return self.retry.transient
+
+    @property
+    def max_concurrent(self) -> int | None:
+        return self.limits.max_concurrent
+
+    @property
+    def keep_days(self) -> float | None:
+        return self.retention.keep_days
+
+    @property
+    def keep_checkpoints(self) -> str:
+        return self.retention.keep_checkpoints
+
+    @property
+    def compact_after_days(self) -> float:
+        return self.retention.compact_after_days
 
     def backoff(self, retries: int, retry_after: float | None = None) -> float:
-        """Exponential backoff with "equal jitter": half fixed, half random, so that many
-        runs failing together do not retry together."""
-        ceiling = min(self.retry_cap, self.retry_base * (2**retries))
-        delay = ceiling / 2 + random.uniform(0, ceiling / 2)
-        if retry_after is not None:
-            delay = max(delay, float(retry_after))
-        return delay
+        return self.retry.backoff(retries, retry_after)
 
     def is_transient(self, exc: BaseException) -> bool:
-        from durability.errors import Transient
-
-        if isinstance(exc, Transient):
-            return True
-        return bool(self.transient) and isinstance(exc, self.transient)
+        return self.retry.is_transient(exc)
 
     def __repr__(self) -> str:
         return f"<Agent {self.name}@{self.version}>"

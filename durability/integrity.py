@@ -97,58 +97,77 @@ def _check(
         verified_parent is None or verified_parent.chain != cp.parent_chain
     )
     parent = verified_parent if not compacted else None
-    from_parent = None
+    problem, from_parent = "", None
     if compacted and cp.parent_state:
-        # The gone parent's state hash was kept: the patch, the audit trail of this step, is
-        # still checked against this checkpoint's state hash.
-        text = ops_of.get(cp.id)
-        if text is None:
-            return "its mutation log is missing", None
-        if canonical.patched(cp.parent_state, text.encode()) != cp.state_hash:
-            return "its state hash does not follow from its gone parent's and its patch", None
-    if parent is not None:
-        text = ops_of.get(cp.id)
-        if text is None:
-            return "its mutation log is missing", None
-        if canonical.patched(parent.state_hash, text.encode()) != cp.state_hash:
-            return "its state hash does not follow from its parent's and its patch", None
-        try:
-            base = parent.state
-            if shared:  # the parent's state serves another child too (after a rollback)
-                base = canonical.loads(canonical.dumps(base))
-            from_parent = diff.apply(base, canonical.loads(text))
-        except Exception as exc:
-            return f"its patch does not apply ({type(exc).__name__}: {exc})", None
+        problem = _patch_of_gone_parent(cp, ops_of)
+    if parent is not None and not problem:
+        problem, from_parent = _patched(cp, parent, ops_of.get(cp.id), shared)
     snapshot_state = None
-    if cp.id in snapshot_ids:
-        raw, digest = Snapshot.objects.filter(checkpoint_id=cp.id).values_list("state", "digest")[0]
-        data = raw.encode()
-        if not cp.parent_id and canonical.sha256_hex(data) != cp.state_hash:
-            return "its snapshot does not match its state hash", None
-        if seal(cp.state_hash, data) != digest:
-            return "its snapshot does not match its digest", None
-        try:
-            snapshot_state = canonical.loads(data)
-        except Exception as exc:
-            return f"its snapshot does not parse ({type(exc).__name__})", None
-        if from_parent is not None and canonical.dumps(from_parent) != data:
-            return "its snapshot differs from the state its patch produces", None
+    if cp.id in snapshot_ids and not problem:
+        problem, snapshot_state = _snapshot(cp, from_parent)
+    if problem:
+        return problem, None
     state = from_parent if from_parent is not None else snapshot_state
     if state is None:
         if cp.parent_id and not compacted:
             return "its parent could not be verified, so neither can it", None
         return "it has no snapshot to rebuild it from", None
-    if compacted:
-        parent_chain = cp.parent_chain
-    elif parent is not None:
-        parent_chain = parent.chain
-    elif cp.parent_id:
-        # After an earlier failure: trust nothing above, but the row's own link can still
-        # be checked against its stored parent.
-        parent_chain = cp.parent.chain_hash
-    else:
-        parent_chain = ""
-    chain = chain_of(cp, parent_chain)
+    chain = chain_of(cp, _parent_chain(cp, compacted, parent))
     if chain != cp.chain_hash:
         return "its chain hash does not match its contents", None
     return "", Verified(state, chain, cp.state_hash)
+
+
+def _patch_of_gone_parent(cp: Checkpoint, ops_of: dict[int, str]) -> str:
+    # The gone parent's state hash was kept: the patch, the audit trail of this step, is
+    # still checked against this checkpoint's state hash.
+    text = ops_of.get(cp.id)
+    if text is None:
+        return "its mutation log is missing"
+    if canonical.patched(cp.parent_state, text.encode()) != cp.state_hash:
+        return "its state hash does not follow from its gone parent's and its patch"
+    return ""
+
+
+def _patched(cp: Checkpoint, parent: Verified, text: str | None, shared: bool) -> tuple[str, Any]:
+    """(problem or "", the state the checkpoint's patch makes of its verified parent's)."""
+    if text is None:
+        return "its mutation log is missing", None
+    if canonical.patched(parent.state_hash, text.encode()) != cp.state_hash:
+        return "its state hash does not follow from its parent's and its patch", None
+    try:
+        base = parent.state
+        if shared:  # the parent's state serves another child too (after a rollback)
+            base = canonical.loads(canonical.dumps(base))
+        return "", diff.apply(base, canonical.loads(text))
+    except Exception as exc:
+        return f"its patch does not apply ({type(exc).__name__}: {exc})", None
+
+
+def _snapshot(cp: Checkpoint, from_parent: Any) -> tuple[str, Any]:
+    """(problem or "", the checkpoint's state as its snapshot holds it)."""
+    raw, digest = Snapshot.objects.filter(checkpoint_id=cp.id).values_list("state", "digest")[0]
+    data = raw.encode()
+    if not cp.parent_id and canonical.sha256_hex(data) != cp.state_hash:
+        return "its snapshot does not match its state hash", None
+    if seal(cp.state_hash, data) != digest:
+        return "its snapshot does not match its digest", None
+    try:
+        state = canonical.loads(data)
+    except Exception as exc:
+        return f"its snapshot does not parse ({type(exc).__name__})", None
+    if from_parent is not None and canonical.dumps(from_parent) != data:
+        return "its snapshot differs from the state its patch produces", None
+    return "", state
+
+
+def _parent_chain(cp: Checkpoint, compacted: bool, parent: Verified | None) -> str:
+    if compacted:
+        return cp.parent_chain
+    if parent is not None:
+        return parent.chain
+    if cp.parent_id:
+        # After an earlier failure: trust nothing above, but the row's own link can still
+        # be checked against its stored parent.
+        return cp.parent.chain_hash
+    return ""

@@ -3,7 +3,7 @@ for named resources (an LLM provider's requests per minute). A run over a limit 
 the database with the reason shown, never in a sleeping worker.
 
 Rate limits are declared in ``DURABILITY_RATE_LIMITS`` (``"openai=60/min,search=5/s"``)
-and attached to calls by the agent: ``Agent(limits={"llm": "openai"})`` makes every
+and attached to calls by the agent: ``Agent(limits=Limits(calls={"llm": "openai"}))`` makes every
 ``ctx.call("llm", ...)`` take one request from the ``openai`` bucket before it runs
 (replays take nothing).
 """

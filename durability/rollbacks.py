@@ -118,23 +118,7 @@ def sentences(
     target, to children, messages and approvals. ``decisions``: effect id -> choice (default
     "ask"); ``hold``: the run is left on hold (the default) rather than continued."""
     decisions = decisions or {}
-    said = []
-    after = f" (after step {preview.target_step})" if preview.target_step else ""
-    if not preview.will_run_from:
-        said.append(
-            f"The run goes back to checkpoint #{preview.target_seq}{after}, which is its end:"
-            " it is marked succeeded and nothing runs."
-        )
-    elif hold:
-        said.append(
-            f"The run goes back to checkpoint #{preview.target_seq}{after} and is put on hold:"
-            f" nothing runs until an operator continues it (next step: {preview.will_run_from})."
-        )
-    else:
-        said.append(
-            f"The run goes back to checkpoint #{preview.target_seq}{after} and continues at once"
-            f" with step {preview.will_run_from}."
-        )
+    said = [_the_run(preview, hold)]
     if not preview.effects:
         said.append(
             f"Nothing was done outside the system after checkpoint #{preview.target_seq}:"
@@ -150,36 +134,63 @@ def sentences(
             )
             + ". Each compensation is journaled and sent once, with its own idempotency key."
         )
-    kept = [e for e in preview.effects if decisions.get(e.id) != "compensate"]
-    for e in kept:
-        if e.status != "done":
-            done = f"{e.what} may have been done (its outcome is unknown) and is not undone"
-        elif e.compensate and not e.compensated:
-            done = (
-                f"{e.what} was done and will not be undone (it can be compensated: choose"
-                " compensate)"
-            )
-        elif e.compensated:
-            done = f"{e.what} was done and was already compensated by an earlier rollback"
-        else:
-            done = f"{e.what} was done and will not be undone (it cannot be undone)"
-        choice = decisions.get(e.id, "ask")
-        if e.is_compensation:
-            said.append(f"{done}.")
-            continue
-        if choice == "reuse":
-            then = (
-                f"if the run reaches {e.key} again with the same arguments, the recorded outcome"
-                " is used and nothing is sent; with other arguments it stops and asks"
-            )
-        elif choice == "again":
-            then = f"if the run reaches {e.key} again, it is performed again without asking"
-        else:
-            then = (
-                f"if the run reaches {e.key} again, it stops and asks an operator before doing it"
-                " a second time"
-            )
-        said.append(f"{done}; {then}.")
+    for e in preview.effects:
+        if decisions.get(e.id) != "compensate":
+            said.append(_kept_effect(e, decisions.get(e.id, "ask")))
+    return said + _the_rest(preview)
+
+
+def _the_run(preview: Preview, hold: bool) -> str:
+    after = f" (after step {preview.target_step})" if preview.target_step else ""
+    if not preview.will_run_from:
+        return (
+            f"The run goes back to checkpoint #{preview.target_seq}{after}, which is its end:"
+            " it is marked succeeded and nothing runs."
+        )
+    if hold:
+        return (
+            f"The run goes back to checkpoint #{preview.target_seq}{after} and is put on hold:"
+            f" nothing runs until an operator continues it (next step: {preview.will_run_from})."
+        )
+    return (
+        f"The run goes back to checkpoint #{preview.target_seq}{after} and continues at once"
+        f" with step {preview.will_run_from}."
+    )
+
+
+def _kept_effect(e: EffectDone, choice: str) -> str:
+    """An effect done after the target and not compensated: what it did, and what happens
+    if the new branch reaches it again."""
+    if e.status != "done":
+        done = f"{e.what} may have been done (its outcome is unknown) and is not undone"
+    elif e.compensate and not e.compensated:
+        done = (
+            f"{e.what} was done and will not be undone (it can be compensated: choose compensate)"
+        )
+    elif e.compensated:
+        done = f"{e.what} was done and was already compensated by an earlier rollback"
+    else:
+        done = f"{e.what} was done and will not be undone (it cannot be undone)"
+    if e.is_compensation:
+        return f"{done}."
+    if choice == "reuse":
+        then = (
+            f"if the run reaches {e.key} again with the same arguments, the recorded outcome"
+            " is used and nothing is sent; with other arguments it stops and asks"
+        )
+    elif choice == "again":
+        then = f"if the run reaches {e.key} again, it is performed again without asking"
+    else:
+        then = (
+            f"if the run reaches {e.key} again, it stops and asks an operator before doing it"
+            " a second time"
+        )
+    return f"{done}; {then}."
+
+
+def _the_rest(preview: Preview) -> list[str]:
+    """Children cancelled, messages back to the inbox, approvals withdrawn."""
+    said = []
     if preview.children:
         names = ", ".join(
             f"{agent} {cid[:8]} ({status})" for cid, agent, status in preview.children

@@ -29,10 +29,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from durability import END, Agent, Transient
+from durability import END, Agent, RetryPolicy, Transient
 from examples import corpus, llm, tools
 
 REFUND_APPROVAL_OVER_EUR = 100.0
+# One policy for both demo agents: the fake LLM and search fail now and then; a retry
+# within seconds keeps the demo moving.
+DEMO_RETRY = RetryPolicy(max_retries=6, base=0.5, cap=10)
 
 
 def knobs(state, ctx, step: str, *, crash_here: bool = True) -> None:
@@ -121,9 +124,7 @@ research = Agent(
         "notes": [],
         "searched": [],
     },
-    max_retries=6,
-    retry_base=0.5,
-    retry_cap=10,
+    retry=DEMO_RETRY,
 )
 
 
@@ -248,9 +249,7 @@ support = Agent(
         ],
         "iterations": 0,
     },
-    max_retries=6,
-    retry_base=0.5,
-    retry_cap=10,
+    retry=DEMO_RETRY,
 )
 
 
@@ -329,57 +328,7 @@ def act(state, ctx):
         maybe_fail(ctx, "order system")
         observation = ctx.call("lookup_order", tools.lookup_order, args.get("order_id", ""))
     elif tool == "refund":
-        order = ctx.call("lookup_order", tools.lookup_order, args.get("order_id", ""))
-        amount = order.get("amount_eur", 0)
-        if order.get("lookup") != "order_found" or order.get("customer") != state["customer"]:
-            # Only the customer who placed the order gets its money back.
-            why = "no such order" if order.get("lookup") != "order_found" else "not their order"
-            observation = {"status": "refund_refused", "reason": why}
-            state["messages"].append({"role": "tool", "content": json.dumps(observation)})
-            return "think"
-        if amount > REFUND_APPROVAL_OVER_EUR:
-            # An operator may lower the amount, nothing else: the order and the customer
-            # are what was checked above, and the refund goes to them whatever the form says.
-            decision = ctx.approval(
-                "refund",
-                {
-                    "order_id": order.get("order_id"),
-                    "amount_eur": amount,
-                    "customer": state["customer"],
-                    "item": order.get("item"),
-                },
-                editable=RefundEdit,
-                validate=refund_within_price,
-            )
-            if not decision:
-                observation = {
-                    "status": "refund_declined",
-                    "by": decision.by,
-                    "comment": decision.comment,
-                }
-                state["messages"].append({"role": "tool", "content": json.dumps(observation)})
-                return "think"
-            approved = (decision.payload or {}).get("amount_eur", amount)
-            if not _valid_amount(approved, order["amount_eur"]):
-                observation = {
-                    "status": "refund_declined",
-                    "by": decision.by,
-                    "comment": f"approved amount {approved!r} is not between 0 and"
-                    f" {order['amount_eur']} EUR",
-                }
-                state["messages"].append({"role": "tool", "content": json.dumps(observation)})
-                return "think"
-            amount = float(approved)
-        # A refund can be reversed; the email below cannot be unsent.
-        receipt = ctx.effect(
-            "refund",
-            tools.refund,
-            order.get("order_id"),
-            amount,
-            compensate=tools.reverse_refund,
-            label=f"refund {amount:g} EUR on order {order.get('order_id')}",
-        )
-        observation = {**receipt, "status": "refund_done"}
+        observation = _refund(state, ctx, args)
     elif tool == "reply":
         receipt = ctx.effect(
             "reply",
@@ -397,6 +346,59 @@ def act(state, ctx):
         observation = {"status": "unknown_tool", "tool": tool}
     state["messages"].append({"role": "tool", "content": json.dumps(observation)})
     return "think"
+
+
+def _refund(state, ctx, args) -> dict:
+    """The refund tool: what the agent observes (refused, declined or done)."""
+    order = ctx.call("lookup_order", tools.lookup_order, args.get("order_id", ""))
+    amount = order.get("amount_eur", 0)
+    if order.get("lookup") != "order_found" or order.get("customer") != state["customer"]:
+        # Only the customer who placed the order gets its money back.
+        why = "no such order" if order.get("lookup") != "order_found" else "not their order"
+        return {"status": "refund_refused", "reason": why}
+    if amount > REFUND_APPROVAL_OVER_EUR:
+        approved = _approved_amount(state, ctx, order, amount)
+        if isinstance(approved, dict):
+            return approved
+        amount = approved
+    # A refund can be reversed; the email below cannot be unsent.
+    receipt = ctx.effect(
+        "refund",
+        tools.refund,
+        order.get("order_id"),
+        amount,
+        compensate=tools.reverse_refund,
+        label=f"refund {amount:g} EUR on order {order.get('order_id')}",
+    )
+    return {**receipt, "status": "refund_done"}
+
+
+def _approved_amount(state, ctx, order: dict, amount: float) -> float | dict:
+    """The amount an operator approved, or the observation of a refund they declined."""
+    # An operator may lower the amount, nothing else: the order and the customer are what
+    # was checked before, and the refund goes to them whatever the form says.
+    decision = ctx.approval(
+        "refund",
+        {
+            "order_id": order.get("order_id"),
+            "amount_eur": amount,
+            "customer": state["customer"],
+            "item": order.get("item"),
+        },
+        editable=RefundEdit,
+        validate=refund_within_price,
+    )
+    if not decision:
+        return {"status": "refund_declined", "by": decision.by, "comment": decision.comment}
+    approved = (decision.payload or {}).get("amount_eur", amount)
+    if not _valid_amount(approved, order["amount_eur"]):
+        return {
+            "status": "refund_declined",
+            "by": decision.by,
+            "comment": f"approved amount {approved!r} is not between 0 and"
+            f" {order['amount_eur']} EUR",
+        }
+    return float(approved)
 
 
 def support_outcome(messages: list[dict]) -> str:

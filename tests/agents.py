@@ -10,7 +10,7 @@ import os
 import time
 import urllib.request
 
-from durability import END, Agent, Transient
+from durability import END, Agent, RetryPolicy, Transient
 from examples.llm import OpenAICompatible
 
 
@@ -40,9 +40,7 @@ loop = Agent(
     "test-loop",
     version="1",
     initial_state=lambda inp: {"i": 0, "answers": []},
-    max_retries=20,
-    retry_base=0.05,
-    retry_cap=0.5,
+    retry=RetryPolicy(max_retries=20, base=0.05, cap=0.5),
 )
 
 
@@ -65,7 +63,7 @@ def iterate(state, ctx):
 
 
 # Flaky: fails transiently on its first attempts, then succeeds.
-flaky = Agent("test-flaky", version="1", max_retries=5, retry_base=0.05, retry_cap=0.2)
+flaky = Agent("test-flaky", version="1", retry=RetryPolicy(max_retries=5, base=0.05, cap=0.2))
 
 
 @flaky.step(start=True)
@@ -168,7 +166,9 @@ def finish(state, ctx):
 # and result, effect arguments, result and error, a message, a log record, a transient
 # error, an approval payload, and the final error. Nothing of it may be written anywhere.
 # Retried after 1 to 2 s: long enough for the test to read the run's wait detail.
-secrets_agent = Agent("test-secrets", version="1", max_retries=3, retry_base=2.0, retry_cap=2.0)
+secrets_agent = Agent(
+    "test-secrets", version="1", retry=RetryPolicy(max_retries=3, base=2.0, cap=2.0)
+)
 secrets_log = logging.getLogger("tests.agents.secrets")
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from dashboard import notifications
 from dashboard.models import Notification
-from durability import Agent, Transient, operations, registry
+from durability import Agent, RetryPolicy, Transient, operations, registry
 from durability.approvals import EditRefused
 from durability.models import Approval, ApprovalStatus, Event, EventKind, Run, RunStatus
 from durability.testing import drive, state_of
@@ -58,7 +58,7 @@ def refund(state, ctx):
 def edits_agent():
     ATTEMPTS.clear()
     registry.unregister("x-edits")
-    Agent("x-edits", steps=[refund], retry_base=0.01, retry_cap=0.05)
+    Agent("x-edits", steps=[refund], retry=RetryPolicy(base=0.01, cap=0.05))
     yield
     registry.unregister("x-edits")
 

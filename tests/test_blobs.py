@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from durability import END, Agent, blobs, canonical, operations, registry
+from durability import END, Agent, Retention, blobs, canonical, operations, registry
 from durability.errors import IntegrityViolation
 from durability.models import Checkpoint, Mutation, RunStatus, Snapshot
 from durability.testing import drive, state_of
@@ -85,7 +85,7 @@ def test_blobs_of_pruned_runs_are_collected_and_shared_ones_kept(settings):
     from durability.models import Run
     from durability.retention import prune
 
-    registry.get("x-docs").keep_days = 30
+    registry.get("x-docs").retention = Retention(keep_days=30)
     try:
         gone, kept = operations.start("x-docs", {}), operations.start("x-docs", {})
         drive(gone.id)
@@ -113,7 +113,7 @@ def test_blobs_of_pruned_runs_are_collected_and_shared_ones_kept(settings):
         assert operations.verify(kept.id)[0].ok
         assert f"delete blob {extra['$blob']} (nothing refers to it)" in report.lines()
     finally:
-        registry.get("x-docs").keep_days = None
+        registry.get("x-docs").retention = Retention()
 
 
 def test_a_recent_or_restored_blob_is_not_collected(settings):

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from django.db import connection, transaction
 
-from durability import END, Agent, checkpoints, operations, registry
+from durability import END, Agent, DurabilityPolicy, checkpoints, operations, registry
 from durability.checkpoints import Head, StepCommit
 from durability.errors import AgentDefinitionError, InvalidInput
 from durability.models import Checkpoint, Run, RunStatus
@@ -113,9 +113,7 @@ def periodic():
     registry.unregister("x-periodic")
     agent = Agent(
         "x-periodic",
-        durability="periodic",
-        periodic_steps=3,
-        periodic_seconds=60,
+        durability=DurabilityPolicy("periodic", every_steps=3, every_seconds=60),
         initial_state=lambda inp: {"i": 0, "seen": []},
     )
 
@@ -214,7 +212,9 @@ def test_on_sqlite_each_level_commits_under_the_synchronous_setting_it_promises(
         return {"paid": what}
 
     registry.unregister("x-levels")
-    agent = Agent("x-levels", periodic_steps=2, initial_state=lambda inp: {"n": 0})
+    agent = Agent(
+        "x-levels", durability=DurabilityPolicy(every_steps=2), initial_state=lambda inp: {"n": 0}
+    )
 
     @agent.step(start=True)
     def count(state, ctx):

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from pydantic import BaseModel
 
-from durability import END, NOT_DONE, Agent, Transient, operations, registry
+from durability import END, NOT_DONE, Agent, RetryPolicy, Transient, operations, registry
 from durability.errors import SchemaViolation
 from durability.models import (
     Approval,
@@ -372,7 +372,7 @@ def test_transient_errors_are_retried_with_backoff_without_a_sleeping_worker():
             raise Transient("503")
         state["ok"] = True
 
-    agent("x-flaky", steps=[step], retry_base=0.05, retry_cap=0.1)
+    agent("x-flaky", steps=[step], retry=RetryPolicy(base=0.05, cap=0.1))
     run = operations.start("x-flaky", {})
     execute_once = __import__("durability.executor", fromlist=["execute"]).execute
     assert execute_once(run.id) == "retry"
@@ -388,7 +388,7 @@ def test_retries_exhausted_fail_the_run_with_the_last_error():
     def step(state, ctx):
         raise Transient("still down")
 
-    agent("x-exhaust", steps=[step], max_retries=2, retry_base=0.01, retry_cap=0.02)
+    agent("x-exhaust", steps=[step], retry=RetryPolicy(max_retries=2, base=0.01, cap=0.02))
     run = operations.start("x-exhaust", {})
     done = drive(run.id)
     assert done.status == RunStatus.FAILED and done.error_code == "DUR502"
@@ -401,7 +401,7 @@ def test_agent_declared_transient_types_are_retried():
             raise ConnectionResetError("reset")
         state["ok"] = True
 
-    agent("x-typed", steps=[step], transient=(ConnectionError,), retry_base=0.01)
+    agent("x-typed", steps=[step], retry=RetryPolicy(transient=(ConnectionError,), base=0.01))
     run = operations.start("x-typed", {})
     assert drive(run.id).status == RunStatus.SUCCEEDED
 
@@ -425,7 +425,7 @@ def test_step_timeout_is_transient():
             time.sleep(5)
         state["ok"] = True
 
-    agent("x-timeout", steps=[step], step_timeout=0.2, retry_base=0.01)
+    agent("x-timeout", steps=[step], step_timeout=0.2, retry=RetryPolicy(base=0.01))
     run = operations.start("x-timeout", {})
     started = time.monotonic()
     assert drive(run.id).status == RunStatus.SUCCEEDED

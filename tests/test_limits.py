@@ -9,7 +9,7 @@ import time
 import pytest
 from django.db import connection
 
-from durability import END, Agent, operations, registry
+from durability import END, Agent, Limits, operations, registry
 from durability.errors import AgentDefinitionError
 from durability.models import Event, EventKind, Run, RunStatus
 from durability.testing import drive
@@ -31,7 +31,7 @@ def agents():
     STATE.update(in_flight=0, max=0, calls=[])
     for name in ("x-slots", "x-rated"):
         registry.unregister(name)
-    slots = Agent("x-slots", max_concurrent=2)
+    slots = Agent("x-slots", limits=Limits(max_concurrent=2))
 
     @slots.step(start=True)
     def busy(state, ctx):
@@ -43,7 +43,7 @@ def agents():
             STATE["in_flight"] -= 1
         return END
 
-    rated = Agent("x-rated", limits={"llm": "x-llm"})
+    rated = Agent("x-rated", limits=Limits(calls={"llm": "x-llm"}))
 
     @rated.step(start=True)
     def ask(state, ctx):
@@ -114,4 +114,4 @@ def test_undeclared_resources_and_bad_specs_are_clear_errors(settings):
     with pytest.raises(AgentDefinitionError):
         limits.take("other")
     with pytest.raises(AgentDefinitionError):
-        Agent("x-bad", max_concurrent=0, register=False)
+        Agent("x-bad", limits=Limits(max_concurrent=0), register=False)

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from durability import END, Agent, checkpoints, operations, registry
+from durability import END, Agent, Retention, checkpoints, operations, registry
 from durability.models import Checkpoint, Run, RunStatus, Snapshot
 from durability.retention import hold, prune
 from durability.testing import drive
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def agents():
     for name in ("x-keep", "x-compact", "x-compact-effects"):
         registry.unregister(name)
-    keep = Agent("x-keep", keep_days=30, initial_state=lambda inp: {"n": 0})
+    keep = Agent("x-keep", retention=Retention(keep_days=30), initial_state=lambda inp: {"n": 0})
 
     @keep.step(start=True)
     def once(state, ctx):
@@ -32,8 +32,7 @@ def agents():
 
     compact = Agent(
         "x-compact",
-        keep_checkpoints="snapshots",
-        compact_after_days=7,
+        retention=Retention(keep_checkpoints="snapshots", compact_after_days=7),
         initial_state=lambda inp: {"log": [], "n": 0},
     )
 
@@ -45,8 +44,7 @@ def agents():
 
     effects = Agent(
         "x-compact-effects",
-        keep_checkpoints="snapshots",
-        compact_after_days=7,
+        retention=Retention(keep_checkpoints="snapshots", compact_after_days=7),
         initial_state=lambda inp: {"log": [], "n": 0},
     )
 

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from django.db import connection, connections
 
-from durability import END, Agent, operations, registry
+from durability import END, Agent, RetryPolicy, operations, registry
 from durability.executor import Outcome, execute
 from durability.models import Checkpoint, Event, EventKind, JournalEntry, RunStatus
 from durability.testing import drive, state_of
@@ -226,7 +226,7 @@ def test_a_commit_session_ended_while_idle_is_replaced_without_a_failed_commit(s
 
 
 def test_the_wait_for_the_previous_commit_is_not_charged_to_the_next_steps_timeout(side):
-    a = agent("x-ahead-timeout", step_timeout=1.0, max_retries=0)
+    a = agent("x-ahead-timeout", step_timeout=1.0, retry=RetryPolicy(max_retries=0))
 
     @a.step(start=True)
     def first(state, ctx):

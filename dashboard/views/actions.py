@@ -301,28 +301,8 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
         return _rollback_page(request, run, plan, form, 422)
     if request.POST.get("action") == "preview":
         return _rollback_page(request, run, plan, form)
-    data = form.cleaned_data
     try:
-        with transaction.atomic():
-            sub = spend(data["token"], action="rollback", username=_who(request), run_id=run.id)
-            # A second operator (or the run itself) may have moved the head since the
-            # confirmation was shown: the engine refuses then.
-            result = operations.rollback(
-                run,
-                checkpoint_id=data["checkpoint_id"],
-                by=_who(request),
-                reason=data["reason"],
-                and_continue=data["then"] == "continue",
-                decisions=form.decisions(),
-                expected_head=data["expected_head"],
-                expected_status=data["expected_status"] or None,
-                expected_version=version,
-            )
-            sub.outcome = (
-                f"It rolled the run back to #{result.target.seq} (new head"
-                f" #{result.checkpoint.seq})."  # type: ignore[union-attr]
-            )
-            sub.save(update_fields=["outcome"])
+        result = _roll_back(request, run, form, version)
     except AlreadySubmitted as dup:
         return _duplicate(request, run, dup)
     except InvalidInput as exc:
@@ -331,6 +311,41 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
         return _rollback_page(request, run, plan, form, 422, error=explain(exc))
     except DurabilityError as exc:
         return _engine_refused(request, run, exc)
+    messages.success(request, _rolled_back(result))
+    return redirect(
+        "dashboard:checkpoint",
+        ref=str(run.id),
+        seq=result.checkpoint.seq,  # type: ignore[union-attr]
+    )
+
+
+def _roll_back(request: HttpRequest, run: Run, form: Any, version: int) -> Any:
+    """The confirmed rollback and its submission record, in one transaction."""
+    data = form.cleaned_data
+    with transaction.atomic():
+        sub = spend(data["token"], action="rollback", username=_who(request), run_id=run.id)
+        # A second operator (or the run itself) may have moved the head since the
+        # confirmation was shown: the engine refuses then.
+        result = operations.rollback(
+            run,
+            checkpoint_id=data["checkpoint_id"],
+            by=_who(request),
+            reason=data["reason"],
+            and_continue=data["then"] == "continue",
+            decisions=form.decisions(),
+            expected_head=data["expected_head"],
+            expected_status=data["expected_status"] or None,
+            expected_version=version,
+        )
+        sub.outcome = (
+            f"It rolled the run back to #{result.target.seq} (new head"
+            f" #{result.checkpoint.seq})."  # type: ignore[union-attr]
+        )
+        sub.save(update_fields=["outcome"])
+    return result
+
+
+def _rolled_back(result: Any) -> str:
     if result.held:
         then = (
             " The run is on hold: nothing runs until someone continues it"
@@ -340,15 +355,7 @@ def _rollback_post(request: HttpRequest, run: Run) -> HttpResponse:
         then = f" It continues with {result.will_run_from}."
     else:
         then = " That was its end: it is marked succeeded."
-    messages.success(
-        request,
-        f"Rolled back to #{result.target.seq}: new head #{result.checkpoint.seq}.{then}",  # type: ignore[union-attr]
-    )
-    return redirect(
-        "dashboard:checkpoint",
-        ref=str(run.id),
-        seq=result.checkpoint.seq,  # type: ignore[union-attr]
-    )
+    return f"Rolled back to #{result.target.seq}: new head #{result.checkpoint.seq}.{then}"  # type: ignore[union-attr]
 
 
 def _errors(form: Any) -> str:
@@ -445,15 +452,7 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
         effect = Effect.objects.filter(run=run, pk=effect_id).select_related("base").first()
     if effect is None:
         return refused(request, run, f"run {run.short_id} has no effect {effect_id}", 404)
-    context: dict[str, Any] = {
-        "nav": "runs",
-        "run": run,
-        "effect": effect,
-        "args": runinfo.effect_args(effect),
-        "result": present.show(json.loads(effect.result), limit=2000, pretty=True)
-        if effect.result
-        else None,
-    }
+    context = _resolve_context(run, effect)
     if request.method == "GET":
         form = ResolveForm(initial={"attempts": effect.attempts, "version": run.lease_token})
         return page(request, "dashboard/resolve.html", {**context, "form": form})
@@ -470,21 +469,7 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
         return page(request, "dashboard/resolve.html", {**context, "form": form}, status=422)
     data = form.cleaned_data
     try:
-        with transaction.atomic():
-            sub = _spend_if_given(data["token"], action="resolve", request=request, run=run)
-            operations.resolve_effect(
-                run,
-                effect.pk,
-                outcome=data["outcome"],
-                result=data.get("result_value"),
-                by=_who(request),
-                note=data["note"],
-                expected_attempts=data["attempts"],
-                expected_version=version,
-            )
-            if sub is not None:
-                sub.outcome = f"It marked effect {effect.key} {data['outcome']}."
-                sub.save(update_fields=["outcome"])
+        _resolve(request, run, effect, data, version)
     except AlreadySubmitted as dup:
         return _duplicate(request, run, dup)
     except InvalidTransition as exc:
@@ -500,6 +485,39 @@ def resolve(request: HttpRequest, ref: str, effect_id: int) -> HttpResponse:
         )
     messages.success(request, f"Effect {effect.key} marked {data['outcome']}; the run continues.")
     return redirect("dashboard:run", ref=str(run.id))
+
+
+def _resolve_context(run: Run, effect: Effect) -> dict[str, Any]:
+    return {
+        "nav": "runs",
+        "run": run,
+        "effect": effect,
+        "args": runinfo.effect_args(effect),
+        "result": present.show(json.loads(effect.result), limit=2000, pretty=True)
+        if effect.result
+        else None,
+    }
+
+
+def _resolve(
+    request: HttpRequest, run: Run, effect: Effect, data: dict[str, Any], version: int
+) -> None:
+    """The operator's word on an effect in doubt and its submission record, together."""
+    with transaction.atomic():
+        sub = _spend_if_given(data["token"], action="resolve", request=request, run=run)
+        operations.resolve_effect(
+            run,
+            effect.pk,
+            outcome=data["outcome"],
+            result=data.get("result_value"),
+            by=_who(request),
+            note=data["note"],
+            expected_attempts=data["attempts"],
+            expected_version=version,
+        )
+        if sub is not None:
+            sub.outcome = f"It marked effect {effect.key} {data['outcome']}."
+            sub.save(update_fields=["outcome"])
 
 
 # --- messages -----------------------------------------------------------------------------------

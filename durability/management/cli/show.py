@@ -1,0 +1,168 @@
+"""``durability show RUN [--json]``: a run's header, checkpoints, approvals, effects and
+recent events, as text for a person or as JSON (with the head state) for a program."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from durability import approvals as edits
+from durability import canonical, operations
+from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run
+
+Say = Callable[[str], None]
+
+
+def show(say: Say, ref: Any, *, as_json: bool) -> None:
+    run = operations.get_run(ref)
+    cps = list(Checkpoint.objects.filter(run=run).order_by("seq"))
+    approvals = list(Approval.objects.filter(run=run).order_by("id"))
+    effects = list(Effect.objects.filter(run=run).order_by("id"))
+    events = list(Event.objects.filter(run=run).order_by("-id")[:20])
+    if as_json:
+        say(json.dumps(_as_json(run, cps, approvals, effects), indent=2, default=str))
+        return
+    _header(say, run)
+    _checkpoints(say, cps)
+    _approvals(say, approvals)
+    _effects(say, effects)
+    _events(say, events)
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+
+def _as_json(run: Run, cps: list, approvals: list, effects: list) -> dict[str, Any]:
+    return {
+        "id": str(run.id),
+        "agent": run.agent,
+        "agent_version": run.agent_version,
+        "status": run.status,
+        "version": run.lease_token,
+        "durability": run.durability,
+        "wait": {"reason": run.wait_reason, "detail": run.wait_detail},
+        "step": run.step,
+        "head": run.head_seq,
+        "error": run.error,
+        "input": canonical.loads(run.input),
+        "state": operations.state_at(run),
+        "checkpoints": [_checkpoint_json(c) for c in cps],
+        "approvals": [_approval_json(a) for a in approvals],
+        "effects": [_effect_json(e) for e in effects],
+        "calls": JournalEntry.objects.filter(run=run).count(),
+        "parent": str(run.parent_run_id) if run.parent_run_id else None,
+        "tree": operations.tree(run),
+    }
+
+
+def _checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+    return {
+        "seq": c.seq,
+        "parent": c.parent_id,
+        "reason": c.reason,
+        "step": c.step,
+        "next_step": c.next_step,
+        "size": c.size,
+        "delta_size": c.delta_size,
+        "state_hash": c.state_hash,
+        "created_at": c.created_at.isoformat(),
+    }
+
+
+def _approval_json(a: Approval) -> dict[str, Any]:
+    return {
+        "id": a.pk,
+        "name": a.name,
+        "status": a.status,
+        "payload": canonical.loads(a.payload),
+        # What was decided when it differs from what was asked (else null), and the
+        # difference field by field.
+        "edited_payload": (canonical.loads(a.edited_payload) if a.edited_payload else None),
+        "changes": edits.stored_changes(a),
+        "decided_by": a.decided_by,
+        "comment": a.comment,
+    }
+
+
+def _effect_json(e: Effect) -> dict[str, Any]:
+    return {
+        "id": e.pk,
+        "key": e.key,
+        "status": e.status,
+        "idempotency_key": e.idempotency_key,
+        "attempts": e.attempts,
+        "duplicates_prevented": e.duplicates_prevented,
+    }
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def _header(say: Say, run: Run) -> None:
+    say(
+        f"run {run.id}  {run.agent}@{run.agent_version}  {run.status.upper()}"
+        + (f" ({run.wait_reason}: {run.wait_detail})" if run.wait_reason else "")
+    )
+    say(
+        f"  created {run.created_at:%Y-%m-%d %H:%M:%S} by {run.created_by or '-'};"
+        f" next step {run.step or '-'}; head #{run.head_seq}; version {run.lease_token}"
+    )
+    if run.lease_owner:
+        say(f"  leased by {run.lease_owner} until {run.lease_expires_at:%H:%M:%S}")
+    if run.forked_from_id:
+        say(f"  forked from {run.forked_from_id} at #{run.forked_from_seq}")
+    if run.parent_run_id:
+        say(f"  child of {run.parent_run_id} (spawned as {run.spawn_key!r})")
+    children = list(Run.objects.filter(parent_run=run).order_by("created_at"))
+    if children:
+        say("children:")
+        for child in children:
+            say(
+                f"  {child.id}  {child.agent}@{child.agent_version}  {child.status}"
+                + (f": {child.error[:80]}" if child.error else "")
+            )
+    if run.error:
+        say(f"  error: {run.error}")
+
+
+def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
+    say("checkpoints:")
+    for c in cps:
+        parent = f" (parent #{c.parent.seq})" if c.parent_id and c.parent.seq != c.seq - 1 else ""
+        say(
+            f"  #{c.seq:<4} {c.reason:<9} {c.step or '-':<14} -> {c.next_step or 'end':<14}"
+            f" {c.size:>9,} B  Δ {c.delta_size:>7,} B{parent}"
+        )
+
+
+def _approvals(say: Say, approvals: list[Approval]) -> None:
+    if not approvals:
+        return
+    say("approvals:")
+    for a in approvals:
+        who = f" by {a.decided_by}" if a.decided_by else ""
+        say(f"  {a.name:<14} {a.status:<10}{who} {a.comment}")
+        changed = edits.describe(edits.stored_changes(a))
+        if changed:
+            say(f"    with edits: {changed}")
+
+
+def _effects(say: Say, effects: list[Effect]) -> None:
+    if not effects:
+        return
+    say("effects:")
+    for e in effects:
+        say(
+            f"  [{e.pk}] {e.key:<14} {e.status:<9} key={e.idempotency_key}"
+            f" attempts={e.attempts} duplicates prevented={e.duplicates_prevented}"
+        )
+
+
+def _events(say: Say, events: list[Event]) -> None:
+    say("recent events:")
+    for e in reversed(events):
+        who = f" by {e.actor}" if e.actor else (f" on {e.worker}" if e.worker else "")
+        why = f": {e.reason[:80]}" if e.reason else ""
+        seq = f" #{e.seq}" if e.seq is not None else ""
+        say(f"  {e.created_at:%H:%M:%S} {e.kind}{seq} {e.step}{who}{why}")
