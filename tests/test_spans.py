@@ -56,7 +56,6 @@ def test_a_commit_is_an_event_of_its_steps_span(memory_spans):
     assert commit.attributes["durability.checkpoint.kind"] == "delta"
     assert commit.attributes["durability.checkpoint.bytes"] == 1200
     assert commit.attributes["durability.checkpoint.delta_bytes"] == 300
-    assert commit.attributes["durability.checkpoint.sent_ahead"] is True
     assert commit.attributes["durability.checkpoint.latency_ms"] >= 0
     assert step.start_time <= commit.timestamp <= step.end_time
     # Its end is the step's: it ended before the run's span, which outlived the commit.
@@ -67,7 +66,7 @@ def test_a_commit_made_while_waiting_and_one_that_failed(memory_spans):
     with telemetry.tracer().start_as_current_span("run x"):
         with telemetry.step("plan", 0, 1), telemetry.commit("r-1", 1, 900, 900, True):
             pass
-        with telemetry.step("act", 1, 1):
+        with telemetry.step("act", 1, 2):
             commit = telemetry.start_commit("r-1", 2, 950, 80, False)
             telemetry.note_recovered(commit)
         telemetry.end_commit(commit, RuntimeError("fenced out: the lease moved on"))
@@ -75,12 +74,15 @@ def test_a_commit_made_while_waiting_and_one_that_failed(memory_spans):
     [first] = done["step plan"].events
     assert first.name == "checkpoint.commit"
     assert first.attributes["durability.checkpoint.kind"] == "snapshot"
-    assert "durability.checkpoint.sent_ahead" not in first.attributes
+    assert "durability.checkpoint.recovered" not in first.attributes
     assert done["step plan"].status.status_code == StatusCode.UNSET
     [second] = done["step act"].events
     assert second.attributes["durability.checkpoint.recovered"] is True
     assert second.attributes["durability.checkpoint.error"] == "fenced out: the lease moved on"
     assert done["step act"].status.status_code == StatusCode.ERROR
+    # A step's attempt is written from the second on.
+    assert "durability.step.attempt" not in done["step plan"].attributes
+    assert done["step act"].attributes["durability.step.attempt"] == 2
 
 
 def test_a_step_left_waiting_ends_with_its_execution(memory_spans):
