@@ -33,10 +33,10 @@ _ENDPOINT_VARS = (
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
     "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
 )
-# A checkpoint per step makes bursts of spans: room for them, exported every second. Every
-# commit records its latency; offering each one as an exemplar (the SDK's default inside a
-# sampled span) adds about a third to that recording, for a link the commit's own span
-# already gives. Each can still be set with its standard variable.
+# A step or two per millisecond makes bursts of spans: room for them, exported every second.
+# Every commit records its latency; offering each one as an exemplar (the SDK's default
+# inside a sampled span) adds about a third to that recording, for a link the commit's event
+# on its step's span already gives. Each can still be set with its standard variable.
 _DEFAULTS = {
     "OTEL_BSP_MAX_QUEUE_SIZE": "65536",
     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096",
@@ -118,8 +118,7 @@ def _span_exporter(name: str) -> Any:
     if protocol("traces") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
-        # The SDK's HTTP exporter, its request body written by a faster encoder.
-        from config.otlp import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     return OTLPSpanExporter()
 
 
@@ -155,7 +154,6 @@ def setup(role: str, *, django: bool = False) -> bool:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from durability import spans
@@ -165,17 +163,13 @@ def setup(role: str, *, django: bool = False) -> bool:
         attributes[SERVICE_NAME] = f"durability-{role}"
     resource = spans.FrozenResource.of(Resource.create(attributes))
     if span_exporters:
-        processors = []
-        tracer_provider = TracerProvider(resource=resource)
-        for name in span_exporters:
-            # Scrubbed of the executing run's secrets as each span ends (durability/redact.py).
-            processor = spans.Redacting(BatchSpanProcessor(_span_exporter(name)))
-            tracer_provider.add_span_processor(processor)
-            processors.append(processor)
+        # Each span is scrubbed of the executing run's secrets as it ends (durability/redact.py),
+        # in front of the batch processor that hands it to the exporter.
+        tracer_provider = spans.tracer_provider(
+            [BatchSpanProcessor(_span_exporter(name)) for name in span_exporters], resource
+        )
         trace.set_tracer_provider(tracer_provider)
         _providers.append(tracer_provider)
-        # The engine's own spans go straight to these processors (durability/spans.py).
-        spans.install(tracer_provider, processors)
     if metric_exporters:
         meter_provider = MeterProvider(
             resource=resource,

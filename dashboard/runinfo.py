@@ -158,7 +158,7 @@ TABS = ("changes", "state", "mutations", "calls")
 
 @dataclass(frozen=True)
 class Trace:
-    """The run's trace: every step, call, effect and commit of the run is a span in it."""
+    """The run's trace: every step, call and effect of the run is a span in it."""
 
     id: str
     url: str = ""

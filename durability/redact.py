@@ -13,7 +13,7 @@ one gate on its way out of the process, whatever wrote it:
   hot statements (``checkpoints.fetch_one_prepared``) and the commits sent ahead
   (``inflight``) call ``scrub`` on their parameters;
 - log records are scrubbed when they are made (a record factory, see ``install_log_gate``),
-- spans when they end (``durability.spans``, and a processor in front of the SDK's),
+- spans when they end (``durability.spans.Redacting``, in front of the SDK's processors),
 - blobs before their content is hashed (``durability.blobs``).
 
 Why a scope and a gate rather than redacting at each call site: a write path added later

@@ -1,92 +1,106 @@
-"""The engine's own spans on the hot path, handed straight to the SDK's span processors.
+"""The pieces of the SDK set-up that belong to the engine's spans: how a step's span carries
+its checkpoint commit, how the stand-in for a lost execution keeps that execution's identity,
+and the redaction gate in front of the span processors.
 
-A step makes three spans or more (the step, its calls and effects, its checkpoint commit),
-and the SDK's ``Tracer.start_span`` costs about 40 to 50 µs of interpreter time for each:
-the sampler, a lock, bounded attribute and event lists, a copy into a ``ReadableSpan`` at
-the end. On a step of about 2 ms that alone was a tenth of the step. A span here records into
-plain fields and becomes one ``ReadableSpan`` when it ends, given to the same processors,
-exported by the same exporters: about 8 µs (``bench.tracing`` prints the effect).
+Every span is the SDK's own, made by its tracer (``durability.telemetry``) and handed to its
+processors: ``on_start`` and ``on_end`` run for each, samplers and limits apply as
+configured.
 
-It is used only where that is what the SDK would have done:
-- the tracer provider is the one ``config.telemetry`` installed with these processors (set
-  with ``install``); a provider anyone else installed gets every span through its own API;
-- the parent is a local span that is sampled, and the sampler is parent-based or always on,
-  so the SDK's decision for this child is known (record and sample) without asking it;
-- a limit on attribute values from the standard variables is applied as the SDK would.
-Everywhere else ``start`` returns None and the caller takes the SDK's path.
+- **A checkpoint commit is an event of its step's span** (``checkpoint.commit``: sequence,
+  snapshot or delta, bytes, latency). A commit sent ahead is answered while the next step
+  runs: its step's span then waits for the answer before it ends, with the end time it had
+  when the step returned, so its duration is the step's own and the event is on it.
+- **A stand-in keeps the lost execution's ids.** An execution whose process died never
+  exported its span, so what it had exported (its steps, calls) points at a parent nobody
+  sent. ``StandInIds``, the provider's id generator, hands the tracer those ids for the one
+  span that stands in for it; every other span gets random ids.
+- **Text passes the redaction gate** (``durability.redact``) as a span ends, in the thread
+  that made it: ``Redacting`` sits in front of each span processor.
 
-Text on a span passes the redaction gate (``durability.redact``) when the span ends, in the
-thread that made it: here for the engine's spans, and in ``Redacting``, the processor
-``config.telemetry`` puts in front of the SDK's, for everyone else's.
+Imported on first use (it imports the SDK): a process tracing nothing never needs it.
 """
 
 from __future__ import annotations
 
-import logging
+import contextvars
 import time
-import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.trace import Link, Status, StatusCode
 
 from durability import redact
 
-log = logging.getLogger(__name__)
-
-_SCALARS = (str, bool, int, float)
-_UNSET = Status(StatusCode.UNSET)
+COMMIT_EVENT = "checkpoint.commit"
+# The execution's list of step spans still waiting for their commit's answer, and the step
+# whose span is current: values of the OpenTelemetry context, so they follow the active span.
+_WAITING = otel_context.create_key("durability.waiting_steps")
+_STEP = otel_context.create_key("durability.step")
 
 
 class FrozenResource(Resource):
     """A resource whose hash is computed once. The OTLP encoder groups spans by resource,
     hashing it for every span, and ``Resource.__hash__`` serialises the attributes to JSON
-    each time (about a tenth of the encoding); a resource's attributes never change."""
+    each time; a resource's attributes never change."""
 
-    _hash: int | None = None
+    _frozen_hash: int | None = None
 
     @classmethod
     def of(cls, resource: Resource) -> FrozenResource:
         return cls(resource.attributes, resource.schema_url)
 
     def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = super().__hash__()
-        return self._hash
+        if self._frozen_hash is None:
+            self._frozen_hash = super().__hash__()
+        return self._frozen_hash
 
 
-class _Pipeline:
-    def __init__(self, provider: TracerProvider, processors: Sequence[SpanProcessor]) -> None:
-        self.provider = provider
-        self.processors = tuple(processors)
-        self.resource = provider.resource
-        self.ids = provider.id_generator
-        self.scope = InstrumentationScope("durability")
-        limits = SpanLimits()
-        self.max_attributes = limits.max_span_attributes
-        self.max_value_len = limits.max_span_attribute_length
-        self.max_events = limits.max_events
-        sampler = provider.sampler
-        self.usable = isinstance(sampler, ParentBased) or sampler is ALWAYS_ON
+# --- the stand-in's identity -------------------------------------------------------------------
+
+_wanted: contextvars.ContextVar[trace.SpanContext | None] = contextvars.ContextVar(
+    "durability_stand_in_ids", default=None
+)
 
 
-_pipeline: _Pipeline | None = None
+class StandInIds(IdGenerator):
+    """Random ids, except for a span started inside ``ids_of(context)``: that one gets
+    ``context``'s span id (and its trace id, when it starts a trace)."""
+
+    def __init__(self) -> None:
+        self.random = RandomIdGenerator()
+
+    def generate_span_id(self) -> int:
+        wanted = _wanted.get()
+        return wanted.span_id if wanted is not None else self.random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        wanted = _wanted.get()
+        return wanted.trace_id if wanted is not None else self.random.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return self.random.is_trace_id_random()
 
 
-def install(provider: TracerProvider, processors: Sequence[SpanProcessor]) -> None:
-    """Hand the engine's spans to ``processors`` (those of ``provider``, which must be the
-    global tracer provider for this to take effect)."""
-    global _pipeline
-    # The engine's spans are scrubbed as they end: not twice.
-    inner = [p.inner if isinstance(p, Redacting) else p for p in processors]
-    _pipeline = _Pipeline(provider, inner)
+class ids_of:  # noqa: N801 - used as a context manager, like contextlib's
+    """The next span started in this block takes ``context``'s ids (under ``StandInIds``)."""
+
+    def __init__(self, context: trace.SpanContext) -> None:
+        self.context = context
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        self.token = _wanted.set(self.context)
+
+    def __exit__(self, *exc: Any) -> None:
+        _wanted.reset(self.token)
+
+
+# --- redaction -----------------------------------------------------------------------------------
 
 
 def _scrubbed_status(status: Status, secrets: set[str]) -> Status:
@@ -150,236 +164,119 @@ class Redacting(SpanProcessor):
         return self.inner.force_flush(timeout_millis)
 
 
-def uninstall() -> None:
-    global _pipeline
-    _pipeline = None
+def tracer_provider(
+    processors: Sequence[SpanProcessor], resource: Resource | None = None
+) -> TracerProvider:
+    """The SDK's tracer provider as the engine's spans need it: ids from ``StandInIds``, and
+    each of ``processors`` behind the redaction gate."""
+    provider = TracerProvider(resource=resource, id_generator=StandInIds())
+    for processor in processors:
+        provider.add_span_processor(Redacting(processor))
+    return provider
 
 
-def _clean(value: Any) -> Any:
-    """An attribute value as the SDK accepts it, or None (dropped, with a warning)."""
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, Sequence) and not isinstance(value, bytes):
-        kinds = {type(v) for v in value if v is not None}
-        if len(kinds) <= 1 and all(k in _SCALARS for k in kinds):
-            return tuple(value)
-    log.warning("Invalid type %s for attribute value; dropped", type(value).__name__)
-    return None
+# --- spans as the current one, and the commits their steps send ---------------------------------
 
 
-class Span(trace.Span):
-    """A recording span of the engine's, ended once; not shared between threads."""
+class Current:
+    """``span`` as the current span for a ``with`` block; an exception is recorded on it as
+    the SDK's ``use_span`` records it. ``step``: the span of a step, whose commits become its
+    events; if one is still unanswered when the block ends, the span ends with that answer
+    (at the time the block ended). A class, not a generator: it runs for every step, call
+    and effect, and contextlib's machinery costs more than the rest."""
 
-    __slots__ = (
-        "_pipeline",
-        "_name",
-        "_context",
-        "_parent",
-        "_kind",
-        "_attributes",
-        "_events",
-        "_status",
-        "_start",
-        "_ended",
-    )
+    __slots__ = ("span", "step", "token", "pending", "ended_at", "waiting")
 
-    def __init__(
-        self,
-        pipeline: _Pipeline,
-        name: str,
-        context: SpanContext,
-        parent: SpanContext,
-        kind: SpanKind,
-        attributes: dict[str, Any],
-    ) -> None:
-        self._pipeline = pipeline
-        self._name = name
-        self._context = context
-        self._parent = parent
-        self._kind = kind
-        self._attributes = attributes
-        self._events: list[Event] = []
-        self._status = _UNSET
-        self._start = time.time_ns()
-        self._ended = False
-
-    def get_span_context(self) -> SpanContext:
-        return self._context
-
-    def is_recording(self) -> bool:
-        return not self._ended
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        if self._ended or not isinstance(key, str) or not key:
-            return
-        value = _clean(value)
-        if value is not None:
-            self._attributes[key] = value
-
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        for key, value in attributes.items():
-            self.set_attribute(key, value)
-
-    def add_event(
-        self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
-    ) -> None:
-        if self._ended or len(self._events) >= (self._pipeline.max_events or 0):
-            return
-        clean = None
-        if attributes:
-            clean = {k: c for k, v in attributes.items() if (c := _clean(v)) is not None}
-        self._events.append(Event(name, clean, timestamp or time.time_ns()))
-
-    def update_name(self, name: str) -> None:
-        if not self._ended:
-            self._name = name
-
-    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
-        # As the SDK: OK is final, UNSET changes nothing.
-        if self._ended or self._status.status_code is StatusCode.OK:
-            return
-        if isinstance(status, StatusCode):
-            status = Status(status, description)
-        if status.status_code is not StatusCode.UNSET:
-            self._status = status
-
-    def record_exception(
-        self,
-        exception: BaseException,
-        attributes: Mapping[str, Any] | None = None,
-        timestamp: int | None = None,
-        escaped: bool = False,
-    ) -> None:
-        module = type(exception).__module__
-        qualname = type(exception).__qualname__
-        recorded = {
-            "exception.type": f"{module}.{qualname}" if module != "builtins" else qualname,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": str(escaped),
-        }
-        recorded.update(attributes or {})
-        self.add_event("exception", recorded, timestamp)
-
-    def end(self, end_time: int | None = None) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        pipeline = self._pipeline
-        attributes: Any = self._attributes
-        secrets = redact.active()
-        if secrets:
-            self._name = redact.scrub(self._name, secrets)
-            attributes = redact.scrub(attributes, secrets)
-            self._events = list(_scrubbed_events(self._events, secrets))
-            self._status = _scrubbed_status(self._status, secrets)
-        if pipeline.max_value_len is not None or len(attributes) > pipeline.max_attributes:
-            attributes = BoundedAttributes(
-                pipeline.max_attributes,
-                attributes,
-                immutable=True,
-                max_value_len=pipeline.max_value_len,
-            )
-        finished = ReadableSpan(
-            name=self._name,
-            context=self._context,
-            parent=self._parent,
-            resource=pipeline.resource,
-            attributes=attributes,
-            events=tuple(self._events),
-            kind=self._kind,
-            status=self._status,
-            start_time=self._start,
-            end_time=end_time or time.time_ns(),
-            instrumentation_scope=pipeline.scope,
-        )
-        for processor in pipeline.processors:
-            processor.on_end(finished)
-
-
-def record(
-    name: str,
-    context: SpanContext,
-    parent: SpanContext | None,
-    kind: SpanKind,
-    attributes: dict[str, Any],
-    start_ns: int,
-    end_ns: int,
-    status: Status,
-) -> bool:
-    """Hand the processors a finished span whose identity is already known (a span another
-    process started and could not end); False, and nothing sent, where the engine's spans
-    are not installed or ``context`` is not sampled."""
-    pipeline = _pipeline
-    if pipeline is None or trace.get_tracer_provider() is not pipeline.provider:
-        return False
-    if not context.trace_flags.sampled:
-        return False
-    secrets = redact.active()
-    if secrets:
-        name, attributes = redact.scrub(name, secrets), redact.scrub(attributes, secrets)
-        status = _scrubbed_status(status, secrets)
-    finished = ReadableSpan(
-        name=name,
-        context=context,
-        parent=parent,
-        resource=pipeline.resource,
-        attributes=BoundedAttributes(
-            pipeline.max_attributes,
-            {k: c for k, v in attributes.items() if (c := _clean(v)) is not None},
-            immutable=True,
-            max_value_len=pipeline.max_value_len,
-        ),
-        kind=kind,
-        status=status,
-        start_time=start_ns,
-        end_time=max(start_ns, end_ns),
-        instrumentation_scope=pipeline.scope,
-    )
-    for processor in pipeline.processors:
-        processor.on_end(finished)
-    return True
-
-
-def start(name: str, kind: SpanKind, attributes: dict[str, Any]) -> Span | None:
-    """A span, child of the current one, or None where the SDK must decide (see above)."""
-    pipeline = _pipeline
-    if pipeline is None or not pipeline.usable:
-        return None
-    if trace.get_tracer_provider() is not pipeline.provider:
-        return None
-    parent = trace.get_current_span().get_span_context()
-    if not parent.is_valid or parent.is_remote or not parent.trace_flags.sampled:
-        return None
-    context = SpanContext(
-        parent.trace_id,
-        pipeline.ids.generate_span_id(),
-        is_remote=False,
-        trace_flags=parent.trace_flags,
-        trace_state=parent.trace_state,
-    )
-    return Span(pipeline, name, context, parent, kind, attributes)
-
-
-class current:  # noqa: N801 - used as a context manager, like contextlib's
-    """``span`` as the current span, ended on the way out; an exception is recorded on it
-    as the SDK's ``start_as_current_span`` records it. A class, not a generator: it runs for
-    every step, call and effect, and contextlib's machinery costs more than the span."""
-
-    __slots__ = ("span", "token")
-
-    def __init__(self, span: Span) -> None:
+    def __init__(self, span: trace.Span, step: bool = False) -> None:
         self.span = span
+        self.step = step
         self.token: Any = None
+        self.pending = 0
+        self.ended_at: int | None = None
+        self.waiting: list[Current] | None = None
 
-    def __enter__(self) -> Span:
-        self.token = otel_context.attach(trace.set_span_in_context(self.span))
+    def __enter__(self) -> trace.Span:
+        context = trace.set_span_in_context(self.span)
+        if self.step:
+            context = otel_context.set_value(_STEP, self, context)
+        self.token = otel_context.attach(context)
         return self.span
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
         span = self.span
-        if isinstance(exc, Exception):
+        if isinstance(exc, Exception) and span.is_recording():
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        if self.pending:
+            self.waiting = otel_context.get_value(_WAITING)  # type: ignore[assignment]
+            if self.waiting is not None:
+                self.waiting.append(self)
+            self.ended_at = time.time_ns()
+            otel_context.detach(self.token)
+            return
         otel_context.detach(self.token)
         span.end()
+
+    def answered(self) -> None:
+        """One of the step's commits was answered: end the span if it only waited for that."""
+        self.pending = max(0, self.pending - 1)
+        if self.pending or self.ended_at is None or not self.span.is_recording():
+            return
+        if self.waiting is not None and self in self.waiting:
+            self.waiting.remove(self)
+        self.span.end(end_time=self.ended_at)
+
+
+def waiting_steps() -> tuple[list[Current], otel_context.Context]:
+    """A fresh list for an execution's steps that wait for their commit, and a context that
+    carries it."""
+    waiting: list[Current] = []
+    return waiting, otel_context.set_value(_WAITING, waiting)
+
+
+def end_waiting(waiting: list[Current]) -> None:
+    """The execution is over: a step span still waiting for its commit's answer (a path that
+    never took it) ends now, at its own end time, rather than never."""
+    for step in list(waiting):
+        step.pending = 1
+        step.answered()
+
+
+class Commit:
+    """A checkpoint commit in progress: becomes an event of its step's span when it ends."""
+
+    __slots__ = ("owner", "span", "attributes", "started_ns", "started")
+
+    def __init__(self, attributes: dict[str, Any]) -> None:
+        owner = otel_context.get_value(_STEP)
+        span = trace.get_current_span()
+        # The step's span, wherever the commit is made inside the step (a periodic level's
+        # commit is made inside a call); outside any step, the current span.
+        self.owner: Current | None = owner if isinstance(owner, Current) else None
+        self.span = self.owner.span if self.owner is not None else span
+        if self.owner is not None:
+            self.owner.pending += 1
+        self.attributes = attributes
+        self.started_ns = time.time_ns()
+        self.started = time.perf_counter()
+
+    def end(self, error: BaseException | None = None) -> None:
+        attributes = self.attributes
+        attributes["durability.checkpoint.latency_ms"] = round(
+            (time.perf_counter() - self.started) * 1000, 3
+        )
+        span = self.span
+        if error is not None:
+            attributes["durability.checkpoint.error"] = str(error)[:500]
+            if span.is_recording():
+                span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
+        if span.is_recording():
+            span.add_event(COMMIT_EVENT, attributes, self.started_ns)
+        if self.owner is not None:
+            self.owner.answered()
+
+    def __enter__(self) -> Commit:
+        return self
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        self.end(exc)

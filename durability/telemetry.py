@@ -3,9 +3,8 @@
 The engine speaks the OpenTelemetry *API*; whoever runs it installs an SDK (see
 ``config/telemetry.py``: only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or a sibling is set).
 Without one, every helper here returns at its first line, so tracing off costs a function
-call per step. Under the SDK that ``config/telemetry.py`` installs, the step, call, effect
-and commit spans are built by ``durability.spans`` and handed to its span processors: the
-SDK's tracer costs five times as much per span.
+call per step. Every span is the SDK's, from its tracer; a checkpoint commit is an event
+of its step's span (``durability.spans``).
 
 One run is one trace, whatever process executes it: the context of the request or command
 that started the run is stored on the run (``Run.trace_parent``), every execution span is
@@ -135,7 +134,13 @@ def execution(run: Any, worker: str, previous_exec: str) -> Iterator[Any]:
             "durability.checkpoint.seq": run.head_seq,
         },
     ) as span:
-        yield span
+        waiting, context = _spans().waiting_steps()
+        token = otel_context.attach(context)
+        try:
+            yield span
+        finally:
+            otel_context.detach(token)
+            _spans().end_waiting(waiting)
 
 
 def lost_execution(
@@ -148,39 +153,44 @@ def lost_execution(
     ended_ns: int,
 ) -> bool:
     """Stand in for the span of an execution whose process died (SIGKILL, OOM) before it
-    could end and export it: the same trace and span id, so the steps, calls and commits it
-    had already exported hang under it again and the trace stays connected, marked as an
-    error from when that execution started to its last sign of life. Written by the execution
-    that recovered the run, which knows the dead one's lease is gone with its process."""
+    could end and export it: a span from when that execution started to its last sign of
+    life, marked as an error, with the same trace and span id where the tracer provider is
+    the one ``durability.spans.tracer_provider`` makes, so the steps, calls and commits it
+    had already exported hang under it again and the trace stays connected. Written by the
+    execution that recovered the run, which knows the dead one's lease is gone with its
+    process. False, and nothing written, when tracing is off or that execution was not
+    sampled."""
     lost = _span_context_of(previous_exec)
-    if lost is None:
+    if lost is None or not enabled() or not lost.trace_flags.sampled:
         return False
     root = _span_context_of(run.trace_parent)
-    parent = root if root is not None and root.trace_id == lost.trace_id else None
-    context = trace.SpanContext(
-        lost.trace_id,
-        lost.span_id,
-        is_remote=False,
-        trace_flags=lost.trace_flags,
-        trace_state=lost.trace_state,
-    )
-    return _spans().record(
-        f"run {run.agent}",
-        context,
-        parent,
-        SpanKind.CONSUMER,
-        {
-            "durability.run.id": str(run.id),
-            "durability.agent.name": run.agent,
-            "durability.agent.version": run.agent_version,
-            "durability.run.attempt": attempt,
-            "durability.worker": worker,
-            "durability.execution.lost": True,
-        },
-        started_ns,
-        ended_ns,
-        Status(StatusCode.ERROR, "the worker died before this execution ended"),
-    )
+    parent = None
+    if root is not None and root.trace_id == lost.trace_id:
+        parent = _context_of(run.trace_parent)
+    spans = _spans()
+    with spans.ids_of(lost):
+        span = tracer().start_span(
+            f"run {run.agent}",
+            context=parent or otel_context.Context(),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "durability.run.id": str(run.id),
+                "durability.agent.name": run.agent,
+                "durability.agent.version": run.agent_version,
+                "durability.run.attempt": attempt,
+                "durability.worker": worker,
+                "durability.execution.lost": True,
+            },
+            start_time=started_ns,
+        )
+    if not span.is_recording():
+        return False
+    if span.get_span_context().span_id != lost.span_id:
+        # A provider whose ids are not ``StandInIds``: the stand-in points at the lost span.
+        span.add_link(lost, {"durability.link": "lost_execution"})
+    span.set_status(Status(StatusCode.ERROR, "the worker died before this execution ended"))
+    span.end(end_time=max(started_ns, ended_ns))
+    return True
 
 
 @lru_cache(maxsize=1)
@@ -191,28 +201,24 @@ def _spans() -> Any:
     return spans
 
 
-def _current(name: str, kind: SpanKind, attributes: dict[str, Any]):
-    """A span as the current one for a ``with`` block: the engine's own (``spans``) where it
-    can be, the SDK's otherwise."""
-    spans = _spans()
-    span = spans.start(name, kind, attributes)
-    if span is not None:
-        return spans.current(span)
-    return tracer().start_as_current_span(name, kind=kind, attributes=attributes)
+def _current(name: str, kind: SpanKind, attributes: dict[str, Any], step: bool = False):
+    """The SDK's span as the current one for a ``with`` block (``durability.spans.Current``)."""
+    span = tracer().start_span(name, kind=kind, attributes=attributes)
+    return _spans().Current(span, step)
 
 
 def step(name: str, seq: int, attempt: int):
+    """A step's span. Its attempt is only written from the second on: each attribute costs a
+    few microseconds to record and to encode, on every step."""
     if not enabled():
         return _NULL
-    return _current(
-        f"step {name}",
-        SpanKind.INTERNAL,
-        {
-            "durability.step.name": name,
-            "durability.checkpoint.base_seq": seq,
-            "durability.step.attempt": attempt,
-        },
-    )
+    attributes: dict[str, Any] = {
+        "durability.step.name": name,
+        "durability.checkpoint.base_seq": seq,
+    }
+    if attempt > 1:
+        attributes["durability.step.attempt"] = attempt
+    return _current(f"step {name}", SpanKind.INTERNAL, attributes, step=True)
 
 
 def call(key: str, function: str, kind: str):
@@ -266,16 +272,15 @@ def effect(key: str, idempotency_key: str, function: str):
 
 
 def commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool):
+    """A checkpoint commit made while the worker waits: an event of its step's span when the
+    block ends (``durability.spans.Commit``)."""
     if not enabled():
         return _NULL
-    return _current(
-        "checkpoint commit", SpanKind.CLIENT, _commit_attributes(run_id, seq, size, delta, snapshot)
-    )
+    return _spans().Commit(_commit_attributes(seq, size, delta, snapshot))
 
 
-def _commit_attributes(run_id: Any, seq: int, size: int, delta: int, snapshot: bool) -> dict:
+def _commit_attributes(seq: int, size: int, delta: int, snapshot: bool) -> dict:
     return {
-        "durability.run.id": str(run_id),
         "durability.checkpoint.seq": seq,
         "durability.checkpoint.kind": "snapshot" if snapshot else "delta",
         "durability.checkpoint.bytes": size,
@@ -284,29 +289,22 @@ def _commit_attributes(run_id: Any, seq: int, size: int, delta: int, snapshot: b
 
 
 def start_commit(run_id: Any, seq: int, size: int, delta: int, snapshot: bool) -> Any:
-    """The span of a commit sent ahead: it ends when the worker takes the answer."""
+    """A commit sent ahead: its event is added to its step's span when the worker takes the
+    answer (``end_commit``), and that span waits for it."""
     if not enabled():
         return None
-    attributes = _commit_attributes(run_id, seq, size, delta, snapshot)
-    attributes["durability.checkpoint.sent_ahead"] = True
-    span = _spans().start("checkpoint commit", SpanKind.CLIENT, attributes)
-    if span is not None:
-        return span
-    return tracer().start_span("checkpoint commit", kind=SpanKind.CLIENT, attributes=attributes)
+    return _spans().Commit(_commit_attributes(seq, size, delta, snapshot))
 
 
-def end_commit(span: Any, error: BaseException | None = None) -> None:
-    if span is None:
-        return
-    if error is not None:
-        failed(span, error)
-    span.end()
+def end_commit(commit: Any, error: BaseException | None = None) -> None:
+    if commit is not None:
+        commit.end(error)
 
 
-def note_recovered(span: Any) -> None:
-    """On a commit's span: its first attempt failed, and recovery found or made it."""
-    if span is not None:
-        span.set_attribute("durability.checkpoint.recovered", True)
+def note_recovered(commit: Any) -> None:
+    """On a commit's event: its first attempt failed, and recovery found or made it."""
+    if commit is not None:
+        commit.attributes["durability.checkpoint.recovered"] = True
 
 
 def approval_wait(name: str, requested_at: Any, decided_at: Any, approved: bool) -> None:

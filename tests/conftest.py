@@ -93,10 +93,10 @@ class Faults:
 
 @pytest.fixture(params=["engine", "sdk"])
 def memory_spans(request):
-    """This process traced into memory for one test, the spans the engine makes going the
-    way ``config.telemetry`` sends them (``engine``: ``durability.spans``) or through the
-    SDK's tracer (``sdk``: under a provider set up elsewhere). The global provider is set
-    once per process otherwise: OpenTelemetry's test utilities reset it."""
+    """This process traced into memory for one test, under a tracer provider made the way
+    ``config.telemetry`` makes it (``engine``: ``durability.spans.tracer_provider``) or a
+    plain one set up elsewhere (``sdk``). The global provider is set once per process
+    otherwise: OpenTelemetry's test utilities reset it."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -106,15 +106,15 @@ def memory_spans(request):
     from durability import spans
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
     processor = SimpleSpanProcessor(exporter)
-    provider.add_span_processor(processor)
+    if request.param == "engine":
+        provider = spans.tracer_provider([processor])
+    else:
+        provider = TracerProvider()
+        provider.add_span_processor(processor)
     reset_trace_globals()
     trace.set_tracer_provider(provider)
-    if request.param == "engine":
-        spans.install(provider, [processor])
     yield exporter
-    spans.uninstall()
     provider.shutdown()
     reset_trace_globals()
 

@@ -287,12 +287,14 @@ def test_an_error_when_the_commit_commits_voids_it(request):
 
 
 def commit_span(exporter, seq: int):
+    """The span of the step whose commit made checkpoint ``seq``, and the commit's event."""
     found = [
-        s
+        (s, e)
         for s in exporter.get_finished_spans()
-        if s.name == "checkpoint commit" and s.attributes["durability.checkpoint.seq"] == seq
+        for e in s.events
+        if e.name == "checkpoint.commit" and e.attributes["durability.checkpoint.seq"] == seq
     ]
-    assert len(found) == 1, f"{len(found)} ended spans for the commit of checkpoint {seq}"
+    assert len(found) == 1, f"{len(found)} events for the commit of checkpoint {seq}"
     return found[0]
 
 
@@ -312,13 +314,14 @@ def test_a_commit_recovered_in_flight_ends_its_span_with_the_recovery(side, memo
     locked_first("x-ahead-span-recovered", side, second)
     run = operations.start("x-ahead-span-recovered", {})
     assert drive(run.id).status == RunStatus.SUCCEEDED
-    span = commit_span(memory_spans, 1)
-    assert span.attributes["durability.checkpoint.sent_ahead"] is True
-    assert span.attributes["durability.checkpoint.recovered"] is True
+    span, event = commit_span(memory_spans, 1)
+    assert event.attributes["durability.checkpoint.recovered"] is True
     assert span.status.status_code != StatusCode.ERROR
     # It ends when the commit is done (sent again), not when its first session died.
-    assert span.end_time > seen["killed_at"]
-    assert commit_span(memory_spans, 2).attributes.get("durability.checkpoint.recovered") is None
+    latency_ns = event.attributes["durability.checkpoint.latency_ms"] * 1e6
+    assert event.timestamp + latency_ns > seen["killed_at"]
+    _, later = commit_span(memory_spans, 2)
+    assert later.attributes.get("durability.checkpoint.recovered") is None
 
 
 def test_a_commit_fenced_in_flight_ends_its_span_as_an_error(side, memory_spans):
@@ -336,9 +339,10 @@ def test_a_commit_fenced_in_flight_ends_its_span_as_an_error(side, memory_spans)
     locked_first("x-ahead-span-fenced", side, second)
     run = operations.start("x-ahead-span-fenced", {})
     assert execute(run.id, worker="test-worker") == Outcome.LOST
-    span = commit_span(memory_spans, 1)
+    span, event = commit_span(memory_spans, 1)
     assert span.status.status_code == StatusCode.ERROR
-    assert "fenc" in span.status.description.lower() or "lease" in span.status.description
+    error = event.attributes["durability.checkpoint.error"]
+    assert "fenc" in error.lower() or "lease" in error
 
 
 def test_leaving_the_process_past_a_fenced_commit_lets_the_exit_go_on(side):

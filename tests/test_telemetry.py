@@ -149,10 +149,13 @@ def test_one_connected_trace_across_a_worker_kill(traced, receiver, cluster_faul
     replayed = [e for s in steps for e in s.events if e[0] == "effect.not_repeated"]
     assert len(replayed) == 1
 
-    commits = [s for s in run_spans if s.name == "checkpoint commit"]
-    assert {s.attributes["durability.checkpoint.seq"] for s in commits} >= {4, 5, 6}
-    assert all(s.attributes["durability.checkpoint.kind"] in ("delta", "snapshot") for s in commits)
-    assert all(s.attributes["durability.checkpoint.bytes"] > 0 for s in commits)
+    # A checkpoint commit is an event of its step's span.
+    commits = [a for s in steps for name, a in s.events if name == "checkpoint.commit"]
+    assert {a["durability.checkpoint.seq"] for a in commits} >= {4, 5, 6}
+    assert all(a["durability.checkpoint.kind"] in ("delta", "snapshot") for a in commits)
+    assert all(a["durability.checkpoint.bytes"] > 0 for a in commits)
+    assert all(a["durability.checkpoint.latency_ms"] > 0 for a in commits)
+    assert not any(s.name == "checkpoint commit" for s in spans)
 
     # Infrastructure spans come from the maintained instrumentations.
     assert any(s.name.startswith("run/durability.execute_run") for s in worker_spans)
