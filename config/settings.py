@@ -56,6 +56,10 @@ INSTALLED_APPS = [
     "workers",
     "dashboard",
     "examples",
+    # The JSON API; with ninja installed as an app its docs page uses the package's own
+    # static Swagger UI files, not a CDN.
+    "ninja",
+    "api",
 ]
 
 MIDDLEWARE = [

@@ -18,6 +18,7 @@ from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 
 from durability import (
+    acting,
     approvals,
     blobs,
     canonical,
@@ -30,6 +31,7 @@ from durability import (
 from durability.agents import registry
 from durability.errors import (
     AlreadyDecided,
+    IdempotencyConflict,
     InvalidInput,
     InvalidTransition,
     NotAllowed,
@@ -130,6 +132,7 @@ def state_at(ref: Any, seq: int | None = None) -> Any:
 
 
 def _event(run: Run, kind: str, *, by: str, reason: str, data: Any = None, seq=None) -> Event:
+    data = acting.with_channel(data)
     return Event.objects.create(
         run=run,
         kind=kind,
@@ -322,7 +325,7 @@ def tree(ref: Any) -> dict:
 def _started_with(key: str, input_hash: str) -> Run | None:
     run = Run.objects.filter(idempotency_key=key).first()
     if run is not None and run.input_hash != input_hash:
-        raise InvalidInput(
+        raise IdempotencyConflict(
             f"idempotency key {key!r} already started run {run.id} with another agent or"
             " input; use a new key for a new run"
         )
@@ -1273,7 +1276,7 @@ def send(
             first = Message.objects.filter(run=run, idempotency_key=idempotency_key).first()
             if first is not None:
                 if (first.name, first.data) != (name, text):
-                    raise InvalidInput(
+                    raise IdempotencyConflict(
                         f"idempotency key {idempotency_key!r} was already used for another"
                         " message to this run",
                         run_id=run.id,
