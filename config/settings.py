@@ -387,6 +387,15 @@ DURABILITY_DASHBOARD_URL = env_str("DURABILITY_DASHBOARD_URL", "http://127.0.0.1
 # "http://127.0.0.1:16686/trace/{trace_id}".
 DURABILITY_TRACE_URL = env_str("DURABILITY_TRACE_URL", "")
 
+# The JSON API: requests per window per token, "<count>/<seconds>".
+DURABILITY_API_RATE_LIMIT = env_str("DURABILITY_API_RATE_LIMIT", "600/60")
+_count, _, _window = DURABILITY_API_RATE_LIMIT.partition("/")
+if not (_count.isdigit() and int(_count) > 0 and _window.isdigit() and int(_window) > 0):
+    raise ImproperlyConfigured(
+        f"DURABILITY_API_RATE_LIMIT must be <requests>/<seconds>, e.g. 600/60, not"
+        f" {DURABILITY_API_RATE_LIMIT!r}"
+    )
+
 # Durability SLO targets (durability/slo.py): each indicator is shown against its target with
 # the error budget left over the chosen window.
 DURABILITY_SLO_TARGETS = {
