@@ -7,7 +7,7 @@ from typing import Any
 
 from ninja import NinjaAPI
 
-from api import approvals, checkpoints, problems, runs
+from api import actions, approvals, checkpoints, observe, problems, runs
 from api.auth import TokenAuth
 
 DESCRIPTION = (
@@ -44,3 +44,5 @@ problems.install(api)
 api.add_router("", runs.router)
 api.add_router("", checkpoints.router)
 api.add_router("", approvals.router)
+api.add_router("", actions.router)
+api.add_router("", observe.router)

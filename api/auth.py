@@ -10,6 +10,9 @@ from django.http import HttpRequest
 from ninja.security import HttpBearer
 
 from api import ratelimit, tokens
+from api.problems import Problem
+
+CHECKED_HEADERS = ("Idempotency-Key", "If-Match")
 
 
 class TokenAuth(HttpBearer):
@@ -19,4 +22,16 @@ class TokenAuth(HttpBearer):
             return None
         ratelimit.spend(found)
         request.user = found.user
+        _refuse_nul(request)
         return found
+
+
+def _refuse_nul(request: HttpRequest) -> None:
+    """Query parameters and headers end up in text columns and SQL parameters, which cannot
+    hold NUL: refuse it with the parameter's name rather than fail in the database."""
+    for name, values in request.GET.lists():
+        if "\x00" in name or any("\x00" in v for v in values):
+            raise Problem(422, "API422", f"{name}: text may not contain NUL characters", field=name)
+    for name in CHECKED_HEADERS:
+        if "\x00" in request.headers.get(name, ""):
+            raise Problem(422, "API422", f"{name} may not contain NUL characters", field=name)

@@ -4,11 +4,22 @@ publishes and what every request body is validated against before the engine is 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from ninja import Field, Schema
+from pydantic import AfterValidator
 
 JSON = Any  # any JSON value
+
+
+def _no_nul(value: str) -> str:
+    # The database's text columns cannot hold NUL; refuse it here, with the field's name.
+    if "\x00" in value:
+        raise ValueError("text may not contain NUL characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class ProblemOut(Schema):
@@ -69,14 +80,14 @@ class RunPage(Schema):
 
 
 class StartIn(Schema):
-    agent: str = Field(..., min_length=1, max_length=200)
+    agent: Text = Field(..., min_length=1, max_length=200)
     input: JSON = None
-    reason: str = Field("", max_length=2000)
-    durability: str | None = Field(None, max_length=20)
+    reason: Text = Field("", max_length=2000)
+    durability: Text | None = Field(None, max_length=20)
 
 
 class ReasonIn(Schema):
-    reason: str = Field("", max_length=2000)
+    reason: Text = Field("", max_length=2000)
 
 
 class ApprovalOut(Schema):
@@ -106,16 +117,16 @@ class ApprovalPage(Schema):
 
 class DecisionIn(Schema):
     approve: bool
-    comment: str = Field("", max_length=2000)
+    comment: Text = Field("", max_length=2000)
     payload: dict[str, JSON] | None = Field(
         None, description="approve with edits: the corrected payload (its editable fields)"
     )
 
 
 class MessageIn(Schema):
-    name: str = Field(..., min_length=1, max_length=200)
+    name: Text = Field(..., min_length=1, max_length=200)
     data: JSON = None
-    reason: str = Field("", max_length=2000)
+    reason: Text = Field("", max_length=2000)
 
 
 class MessageOut(Schema):
@@ -174,3 +185,106 @@ class VerifyOut(Schema):
     ok: bool
     checked: int
     problems: list[str]
+
+
+class RollbackIn(Schema):
+    checkpoint: int = Field(..., ge=0, le=2**31 - 1, description="the checkpoint number")
+    reason: Text = Field("", max_length=2000)
+    dry_run: bool = Field(False, description="only say what it would do; change nothing")
+    and_continue: bool = Field(False, description="queue the run at once instead of holding")
+    decisions: dict[str, Text] = Field(
+        default_factory=dict,
+        description="effect id -> ask, reuse, again or compensate (default: ask)",
+    )
+
+
+class EffectDoneOut(Schema):
+    id: int
+    key: str
+    what: str
+    status: str
+    seq: int
+    can_compensate: bool
+    choices: list[str]
+
+
+class RollbackOut(Schema):
+    run_id: str
+    target: int
+    dry_run: bool
+    will_run_from: str
+    effects: list[EffectDoneOut]
+    sentences: list[str] = Field(..., description="the preview in plain words")
+    held: bool
+    new_head: int | None
+    run: RunDetailOut | None
+
+
+class ForkIn(Schema):
+    checkpoint: int = Field(..., ge=0, le=2**31 - 1)
+    state: dict[str, JSON] | None = Field(None, description="an edited state (validated)")
+    what_if: bool = False
+    reason: Text = Field("", max_length=2000)
+
+
+class HoldIn(Schema):
+    hold: bool = Field(..., description="true: put on legal hold; false: release it")
+    reason: Text = Field("", max_length=2000)
+
+
+class ResolveIn(Schema):
+    outcome: Text = Field(..., pattern="^(done|failed|retry)$")
+    result: JSON = None
+    note: Text = Field("", max_length=2000)
+
+
+class EffectOut(Schema):
+    id: int
+    run_id: str
+    key: str
+    status: str
+    attempts: int
+    resolved_by: str
+    resolution_note: str
+
+
+class EventOut(Schema):
+    id: int
+    kind: str
+    seq: int | None
+    step: str
+    actor: str
+    reason: str
+    worker: str
+    data: JSON
+    created_at: datetime
+
+
+class EventPage(Schema):
+    items: list[EventOut]
+    next_cursor: str | None = None
+
+
+class IndicatorOut(Schema):
+    key: str
+    label: str
+    unit: str
+    value: float | None
+    target: float | None
+    met: bool | None
+    total: int
+    bad: int
+    budget: float | None
+
+
+class SloOut(Schema):
+    window: str
+    agent: str | None
+    start: datetime
+    end: datetime
+    indicators: list[IndicatorOut]
+
+
+class SloPerAgentOut(Schema):
+    window: str
+    agents: dict[str, list[IndicatorOut]]

@@ -336,6 +336,8 @@ def test_bad_input_is_a_problem_document_and_changes_nothing(operator_api):
             "",
         ),
         (operator_api.get("/runs", params={"limit": 0}), 422, "API422", "limit"),
+        (operator_api.get("/runs", params={"agent": "a\x00b"}), 422, "API422", "agent"),
+        (operator_api.post("/runs", {"agent": "dash-chain", "reason": "\x00"}), 422, "", "reason"),
         (operator_api.get("/runs", params={"status": "nope"}), 422, "API422", "status"),
         (operator_api.get("/runs", params={"cursor": "garbage!"}), 422, "API422", "cursor"),
         (operator_api.get(f"/runs/{uuid.uuid4()}"), 404, "DUR105", ""),
