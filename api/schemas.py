@@ -288,3 +288,45 @@ class SloOut(Schema):
 class SloPerAgentOut(Schema):
     window: str
     agents: dict[str, list[IndicatorOut]]
+
+
+class EffectRowOut(Schema):
+    id: int
+    key: str
+    occurrence: int
+    step: str
+    function: str
+    label: str
+    status: str
+    idempotency_key: str
+    args: JSON
+    result: JSON
+    error: str
+    attempts: int
+    idempotent: bool
+    resolved_by: str
+    created_at: datetime
+    completed_at: datetime | None
+
+
+class EffectPage(Schema):
+    items: list[EffectRowOut]
+    next_cursor: str | None = None
+
+
+class CallOut(Schema):
+    id: int
+    key: str
+    occurrence: int
+    kind: str
+    step: str
+    function: str
+    result: JSON
+    duration_ms: float
+    replays: int
+    created_at: datetime
+
+
+class CallPage(Schema):
+    items: list[CallOut]
+    next_cursor: str | None = None

@@ -87,6 +87,8 @@ def test_resolve_an_effect_in_doubt(ops, viewer):
     path = f"/runs/{run.id}/effects/{effect.id}/resolution"
     before = counts()
     problem(viewer.post(path, {"outcome": "done"}), 403, "DUR111")
+    listed = ops.get(f"/runs/{run.id}/effects").json()["items"]
+    assert [(e["id"], e["status"], e["key"]) for e in listed] == [(effect.id, "in_doubt", "pay")]
     problem(ops.post(path, {"outcome": "maybe"}), 422, "API422")
     problem(ops.post(f"/runs/{run.id}/effects/999999/resolution", {"outcome": "done"}), 404)
     assert counts() == before
@@ -104,6 +106,8 @@ def test_timeline_pages_and_slo_figures(viewer):
     ).json()
     ids = [e["id"] for e in first["items"] + rest["items"]]
     assert ids == sorted(Event.objects.filter(run=run).values_list("id", flat=True), reverse=True)
+    made = viewer.get(f"/runs/{run.id}/calls").json()["items"]
+    assert [c["key"] for c in made] == ["llm"] and made[0]["result"]["model"] == "fake-model"
     report = viewer.get("/slo", params={"window": "24h"}).json()
     keys = {i["key"] for i in report["indicators"]}
     assert "commit_success" in keys and "run_success" in keys
