@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from api.models import ApiToken
 from durability import operations
-from durability.models import Approval, Event, Message, Run
+from durability.models import Approval, Effect, Event, Message, Run
 from durability.testing import drive
 from tests.api_helpers import (
     ACTORS,
@@ -128,6 +128,11 @@ def _reads(api: Api, run: Run) -> dict[str, object]:
         "mutations": api.get(f"/runs/{ref}/checkpoints/1/mutations"),
         "diff": api.get(f"/runs/{ref}/diff", params={"from": 0, "to": 2}),
         "verification": api.get(f"/runs/{ref}/verification"),
+        "timeline": api.get(f"/runs/{ref}/timeline"),
+        "calls": api.get(f"/runs/{ref}/calls"),
+        "effects": api.get(f"/runs/{ref}/effects"),
+        "slo": api.get("/slo"),
+        "slo per agent": api.get("/slo/agents"),
         "list approvals": api.get("/approvals"),
         "one approval": api.get(f"/approvals/{approval.id}"),
     }
@@ -152,8 +157,19 @@ def test_each_role_against_each_operation(live_server, role):
         run = scene(**made)
         return lambda: api.post(f"/runs/{run.id}{path}", body)
 
+    def in_doubt():
+        run = scene()
+        effect = Effect.objects.get(run=run)
+        Effect.objects.filter(pk=effect.pk).update(status="in_doubt")
+        path = f"/runs/{run.id}/effects/{effect.id}/resolution"
+        return lambda: api.post(path, {"outcome": "done", "result": {"ok": True}})
+
     actions = {
         "start": lambda: lambda: api.post("/runs", {"agent": "dash-chain", "input": {}}),
+        "rollback": lambda: on("/rollback", {"checkpoint": 1, "reason": "matrix"}),
+        "fork": lambda: on("/fork", {"checkpoint": 1}),
+        "hold": lambda: on("/hold", {"hold": True}),
+        "resolve": in_doubt,
         "send": lambda: on("/messages", {"name": "nudge", "data": 1}),
         "cancel": lambda: on("/cancel", {"reason": "matrix"}),
         "resume": lambda: on("/resume", {}, cancelled=True),
