@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         secrets = [tokens.create(user, f"bench-{time.time_ns()}-{i}")[1] for i in range(TOKENS)]
         connection.close()
 
+        # The server runs as deployed: the product's default of persistent database
+        # connections (CONN_MAX_AGE 60 s), not the seeding process's setting of 0.
+        os.environ["CONN_MAX_AGE"] = "60"
         port = seeded._free_port()
         log = Path(tempfile.mkdtemp(prefix="api-bench-")) / "gunicorn.log"
         server = seeded.serve(port, log)
