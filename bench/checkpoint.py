@@ -2,9 +2,11 @@
 
 Parts (see docs/performance.md): overhead, storage, rebuild, recovery (a pool process
 killed), node-recovery (a whole worker killed), throughput, tracing, langgraph-state (the
-latest-state load against LangGraph's ``get_state``; needs the ``bench`` extra), and the soak
-(``--soak SECONDS``). Every figure is a ratio to a baseline measured in the same run,
-or a median/percentile: the machine is shared and noisy, so no single timing means much.
+latest-state load against LangGraph's ``get_state``; needs the ``bench`` extra), api (the JSON
+API through gunicorn on 100,000 seeded runs: ``bench.api``, in a process and database of its
+own), and the soak (``--soak SECONDS``). Every figure is a ratio to a baseline measured in the
+same run, or a median/percentile: the machine is shared and noisy, so no single timing means
+much.
 
 The benchmark owns a database of its own (``durability_bench``; ``BENCH_DATABASE_URL``),
 created at the start and dropped at the end, a Redis key prefix and Celery queue of its
@@ -40,6 +42,7 @@ PARTS = (
     "throughput",
     "tracing",
     "langgraph-state",
+    "api",
     "soak",
 )
 DEFAULT_SOAK_IF_SELECTED = 60.0
@@ -190,6 +193,11 @@ def _part(name: str, bench: Bench) -> Callable[[], None]:
         from bench import langgraph_state
 
         return lambda: langgraph_state.run(bench)
+
+    if name == "api":
+        from bench import api
+
+        return lambda: api.run(bench)
     from bench import recovery
 
     return lambda: recovery.soak(bench, bench.soak_seconds)

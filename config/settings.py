@@ -56,6 +56,10 @@ INSTALLED_APPS = [
     "workers",
     "dashboard",
     "examples",
+    # The JSON API; with ninja installed as an app its docs page uses the package's own
+    # static Swagger UI files, not a CDN.
+    "ninja",
+    "api",
 ]
 
 MIDDLEWARE = [
@@ -382,6 +386,15 @@ DURABILITY_DASHBOARD_URL = env_str("DURABILITY_DASHBOARD_URL", "http://127.0.0.1
 # A run's page links to its trace when this is set, e.g. Jaeger's
 # "http://127.0.0.1:16686/trace/{trace_id}".
 DURABILITY_TRACE_URL = env_str("DURABILITY_TRACE_URL", "")
+
+# The JSON API: requests per window per token, "<count>/<seconds>".
+DURABILITY_API_RATE_LIMIT = env_str("DURABILITY_API_RATE_LIMIT", "600/60")
+_count, _, _window = DURABILITY_API_RATE_LIMIT.partition("/")
+if not (_count.isdigit() and int(_count) > 0 and _window.isdigit() and int(_window) > 0):
+    raise ImproperlyConfigured(
+        f"DURABILITY_API_RATE_LIMIT must be <requests>/<seconds>, e.g. 600/60, not"
+        f" {DURABILITY_API_RATE_LIMIT!r}"
+    )
 
 # Durability SLO targets (durability/slo.py): each indicator is shown against its target with
 # the error budget left over the chosen window.

@@ -11,5 +11,6 @@ urlpatterns = [
     path("healthz", health_view, name="health"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/", include("api.urls")),
     path("", include("dashboard.urls")),
 ]

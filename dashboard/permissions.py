@@ -18,8 +18,8 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
-OPERATORS = "operators"
-VIEWERS = "viewers"
+# The rule itself lives in the engine, so the JSON API applies the same one.
+from durability.roles import OPERATORS, VIEWERS, is_operator, is_reader, may_decide
 
 DENIED = (
     "Only operators may approve, reject, resume, roll back, fork, cancel or resolve. "
@@ -35,41 +35,6 @@ def no_role_message(user: Any) -> str:
         f' administers it) to add you to the "{VIEWERS}" group to read runs, or to the'
         f' "{OPERATORS}" group to act on them.'
     )
-
-
-def _groups(user: Any) -> frozenset[str]:
-    # One query per request, cached on the user object: templates ask once per button.
-    cached = getattr(user, "_dashboard_groups", None)
-    if cached is None:
-        cached = frozenset(user.groups.values_list("name", flat=True))
-        user._dashboard_groups = cached
-    return cached
-
-
-def _active(user: Any) -> bool:
-    return bool(getattr(user, "is_authenticated", False) and user.is_active)
-
-
-def is_operator(user: Any) -> bool:
-    if not _active(user):
-        return False
-    return bool(user.is_superuser or OPERATORS in _groups(user))
-
-
-def is_reader(user: Any) -> bool:
-    """Whether ``user`` may see the dashboard's pages: viewers, operators, superusers."""
-    if not _active(user):
-        return False
-    return bool(user.is_superuser or _groups(user) & {VIEWERS, OPERATORS})
-
-
-def may_decide(user: Any, approval: Any) -> bool:
-    """Whether ``user`` may decide ``approval``: an operator, and when its policy names a
-    group, an operator in that group (superusers always)."""
-    if not is_operator(user):
-        return False
-    group = getattr(approval, "group", "")
-    return bool(not group or user.is_superuser or group in _groups(user))
 
 
 def why_not_decide(user: Any, approval: Any) -> str:

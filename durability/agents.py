@@ -238,7 +238,15 @@ class Agent:
     def initial_state(self, input: Any) -> dict:
         self.validate_input(input)
         if self._initial_state is not None:
-            state = self._initial_state(input)
+            try:
+                state = self._initial_state(input)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+                # The agent's code could not make a state of this input: bad input, which
+                # gets a clear error and starts nothing (never a crash of the caller).
+                raise SchemaViolation(
+                    f"agent {self.name}: initial_state() refused the input"
+                    f" ({type(exc).__name__}: {exc})"
+                ) from None
         elif isinstance(input, dict):
             state = dict(input)
         else:

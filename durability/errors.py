@@ -94,6 +94,13 @@ class NotAllowed(InvalidInput):
     code = "DUR111"
 
 
+class IdempotencyConflict(InvalidInput):
+    """An idempotency key already used for another request (another agent, input or
+    message): nothing was done; a new request needs a new key."""
+
+    code = "DUR115"
+
+
 # --- integrity ---------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from durability import canonical
+from durability import acting, canonical
 from durability.models import Event, EventKind, Run
 
 
@@ -32,6 +32,9 @@ def new(
     """An event of any kind; the functions below name each kind's fields. ``data``: a
     value to store as canonical JSON, or text already encoded."""
     run_id = run.pk if isinstance(run, Run) else run
+    if by:
+        # An operator's action names the channel it came through (an API token), if any.
+        data = acting.with_channel(data)
     if isinstance(run, Run):
         seq = run.head_seq if seq is None else seq
         step = run.step if step is None else step

@@ -7,7 +7,7 @@ from typing import Any
 from django.db import transaction
 
 from durability import canonical, dispatch, events
-from durability.errors import InvalidInput, InvalidTransition
+from durability.errors import IdempotencyConflict, InvalidInput, InvalidTransition
 from durability.models import FINISHED, Message, RunStatus, WaitReason
 from durability.operations._runs import _check_version, _encoded, _locked
 from durability.redact import redact
@@ -39,7 +39,7 @@ def send(
             first = Message.objects.filter(run=run, idempotency_key=idempotency_key).first()
             if first is not None:
                 if (first.name, first.data) != (name, text):
-                    raise InvalidInput(
+                    raise IdempotencyConflict(
                         f"idempotency key {idempotency_key!r} was already used for another"
                         " message to this run",
                         run_id=run.id,

@@ -9,7 +9,7 @@ from django.db.models.functions import Now
 
 from durability import blobs, canonical, checkpoints, dispatch, events, lifecycle, telemetry
 from durability.agents import registry
-from durability.errors import InvalidInput
+from durability.errors import IdempotencyConflict, InvalidInput
 from durability.models import CheckpointReason, Durability, Run, RunStatus, WaitReason
 from durability.operations._runs import _encoded, get_run
 from durability.redact import redact
@@ -168,7 +168,7 @@ def tree(ref: Any) -> dict:
 def _started_with(key: str, input_hash: str) -> Run | None:
     run = Run.objects.filter(idempotency_key=key).first()
     if run is not None and run.input_hash != input_hash:
-        raise InvalidInput(
+        raise IdempotencyConflict(
             f"idempotency key {key!r} already started run {run.id} with another agent or"
             " input; use a new key for a new run"
         )

@@ -1,0 +1,167 @@
+"""Errors as RFC 9457 problem details (``application/problem+json``): the engine's error
+code, a sentence saying what was wrong and what to do, and the field at fault.
+
+Every refusal here happened before anything was written (the engine validates first and
+refuses with a coded error that changed nothing), so a client may correct and retry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from django.http import Http404, HttpRequest, HttpResponse
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+
+from durability.errors import (
+    AlreadyDecided,
+    DatabaseUnavailable,
+    DurabilityError,
+    IdempotencyConflict,
+    IntegrityViolation,
+    InvalidTransition,
+    NotAllowed,
+    UnknownApproval,
+    UnknownCheckpoint,
+    UnknownEffect,
+    UnknownRun,
+)
+
+MEDIA_TYPE = "application/problem+json"
+
+# Most specific first: the first class an error is an instance of gives its status.
+STATUS: list[tuple[type[DurabilityError], int]] = [
+    (NotAllowed, 403),
+    (UnknownRun, 404),
+    (UnknownCheckpoint, 404),
+    (UnknownApproval, 404),
+    (UnknownEffect, 404),
+    (IdempotencyConflict, 409),
+    (AlreadyDecided, 409),
+    (InvalidTransition, 409),  # Stale included: the run moved on since the caller saw it
+    (IntegrityViolation, 409),
+    (DatabaseUnavailable, 503),
+]
+
+TITLES = {
+    400: "Bad request",
+    401: "Not signed in",
+    403: "Not allowed",
+    404: "Not found",
+    409: "Conflict",
+    422: "Invalid input",
+    429: "Too many requests",
+    500: "Engine error",
+    503: "Unavailable",
+}
+
+
+class Problem(Exception):
+    """A refusal the API makes itself (not the engine): status, code, sentence, field."""
+
+    def __init__(
+        self, status: int, code: str, detail: str, *, field: str = "", headers=None
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.field = field
+        self.headers = headers or {}
+        super().__init__(detail)
+
+
+def response(
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    field: str = "",
+    run_id: Any = None,
+    headers: dict[str, str] | None = None,
+) -> HttpResponse:
+    body: dict[str, Any] = {
+        "type": f"about:blank#{code}",
+        "title": TITLES.get(status, "Error"),
+        "status": status,
+        "code": code,
+        "detail": detail,
+    }
+    if field:
+        body["field"] = field
+    if run_id:
+        body["run_id"] = str(run_id)
+    reply = HttpResponse(orjson.dumps(body), status=status, content_type=MEDIA_TYPE)
+    for name, value in (headers or {}).items():
+        reply[name] = value
+    if status == 401:
+        reply["WWW-Authenticate"] = 'Bearer realm="api"'
+    return reply
+
+
+def status_of(exc: DurabilityError) -> int:
+    for cls, status in STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 422 if exc.code.startswith(("DUR1", "API1")) else 500
+
+
+def from_engine(request: HttpRequest, exc: DurabilityError) -> HttpResponse:
+    return response(
+        status_of(exc),
+        exc.code,
+        exc.message,
+        field=getattr(exc, "field", "") or "",
+        run_id=exc.run_id,
+    )
+
+
+def from_problem(request: HttpRequest, exc: Problem) -> HttpResponse:
+    return response(exc.status, exc.code, exc.detail, field=exc.field, headers=exc.headers)
+
+
+def _field_of(error: dict[str, Any]) -> str:
+    # ("body", "payload", "input") -> "input"; ("query", "limit") -> "limit";
+    # ("header", "if-match") -> "If-Match".
+    loc = [str(part) for part in error.get("loc", ())]
+    if loc and loc[0] == "header":
+        return "-".join(p.capitalize() for p in loc[-1].split("-"))
+    if loc and loc[0] == "body":
+        # ("body", <the parameter's name>, field, ...): the field inside the request body.
+        parts = loc[2:] if len(loc) > 2 else []
+    else:
+        parts = loc[1:] if loc and loc[0] in ("query", "path") else loc
+    return ".".join(parts)
+
+
+def from_validation(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    first = exc.errors[0] if exc.errors else {}
+    field = _field_of(first)
+    message = str(first.get("msg", "invalid input"))
+    detail = f"{field}: {message}" if field else message
+    return response(422, "API422", detail, field=field)
+
+
+def from_auth(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    return response(
+        401,
+        "API401",
+        "This API needs a personal API token: send it as “Authorization: Bearer <token>”."
+        " The token given (if any) is unknown, revoked or expired.",
+        field="Authorization",
+    )
+
+
+def from_http(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    return response(exc.status_code, f"API{exc.status_code}", str(exc))
+
+
+def from_404(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return response(404, "API404", "no such resource")
+
+
+def install(api: Any) -> None:
+    api.add_exception_handler(DurabilityError, from_engine)
+    api.add_exception_handler(Problem, from_problem)
+    api.add_exception_handler(ValidationError, from_validation)
+    api.add_exception_handler(AuthenticationError, from_auth)
+    api.add_exception_handler(HttpError, from_http)
+    api.add_exception_handler(Http404, from_404)

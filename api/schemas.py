@@ -1,0 +1,332 @@
+"""The API's typed shapes (pydantic, through django-ninja): what the OpenAPI document
+publishes and what every request body is validated against before the engine is called."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from ninja import Field, Schema
+from pydantic import AfterValidator
+
+JSON = Any  # any JSON value
+
+
+def _no_nul(value: str) -> str:
+    # The database's text columns cannot hold NUL; refuse it here, with the field's name.
+    if "\x00" in value:
+        raise ValueError("text may not contain NUL characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+
+
+class ProblemOut(Schema):
+    """RFC 9457 problem details, with the engine's error code and the field at fault."""
+
+    type: str
+    title: str
+    status: int
+    code: str = Field(..., description="the engine's error code, e.g. DUR112 (stale)")
+    detail: str
+    field: str | None = None
+    run_id: str | None = None
+
+
+class LeaseOut(Schema):
+    owner: str
+    expires_at: datetime | None
+    heartbeat_at: datetime | None
+
+
+class RunOut(Schema):
+    id: str
+    agent: str
+    agent_version: str
+    status: str
+    version: int = Field(..., description="the run's version: send it back as If-Match")
+    head: int = Field(..., description="the number of the head checkpoint")
+    step: str
+    waiting_for: str | None = Field(None, description="approval, message, timer, ...")
+    wait_detail: str
+    outcome: str
+    error: str
+    error_code: str
+    attempts: int
+    recoveries: int
+    durability: str
+    created_by: str
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    parent_run: str | None
+    forked_from: str | None
+    forked_from_seq: int | None
+    trace_id: str | None
+
+
+class RunDetailOut(RunOut):
+    input: JSON
+    lease: LeaseOut
+    children: list[str]
+    pending_approvals: list[int]
+
+
+class RunPage(Schema):
+    items: list[RunOut]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page")
+
+
+class StartIn(Schema):
+    agent: Text = Field(..., min_length=1, max_length=200)
+    input: JSON = None
+    reason: Text = Field("", max_length=2000)
+    durability: Text | None = Field(None, max_length=20)
+
+
+class ReasonIn(Schema):
+    reason: Text = Field("", max_length=2000)
+
+
+class ApprovalOut(Schema):
+    id: int
+    run_id: str
+    agent: str
+    name: str
+    step: str
+    status: str
+    payload: JSON
+    edited_payload: JSON = None
+    editable: list[str] | None = Field(None, description="fields an edit may change")
+    group: str = Field(..., description="the policy group that decides (empty: operators)")
+    may_decide: bool = Field(..., description="whether the caller may decide it")
+    run_version: int = Field(..., description="send it back as If-Match to decide")
+    requested_at: datetime
+    deadline: datetime | None
+    decided_by: str
+    decided_at: datetime | None
+    comment: str
+
+
+class ApprovalPage(Schema):
+    items: list[ApprovalOut]
+    next_cursor: str | None = None
+
+
+class DecisionIn(Schema):
+    approve: bool
+    comment: Text = Field("", max_length=2000)
+    payload: dict[str, JSON] | None = Field(
+        None, description="approve with edits: the corrected payload (its editable fields)"
+    )
+
+
+class MessageIn(Schema):
+    name: Text = Field(..., min_length=1, max_length=200)
+    data: JSON = None
+    reason: Text = Field("", max_length=2000)
+
+
+class MessageOut(Schema):
+    id: int
+    run_id: str
+    name: str
+    data: JSON
+    sent_by: str
+    created_at: datetime
+    consumed: bool
+
+
+class CheckpointOut(Schema):
+    seq: int
+    parent: int | None
+    reason: str
+    step: str
+    next_step: str
+    state_hash: str
+    chain_hash: str
+    schema_version: int
+    agent_version: str
+    size: int
+    delta_size: int
+    created_by: str
+    created_at: datetime
+
+
+class CheckpointPage(Schema):
+    items: list[CheckpointOut]
+    next_cursor: str | None = None
+
+
+class DiffOp(Schema):
+    op: str
+    path: str
+    value: JSON = None
+
+
+class DiffOut(Schema):
+    run_id: str
+    from_seq: int
+    to_seq: int
+    to_run_id: str
+    changes: list[DiffOp]
+
+
+class MutationsOut(Schema):
+    run_id: str
+    seq: int
+    ops: list[DiffOp] = Field(..., description="the RFC 6902 operations from its parent")
+
+
+class VerifyOut(Schema):
+    run_id: str
+    ok: bool
+    checked: int
+    problems: list[str]
+
+
+class RollbackIn(Schema):
+    checkpoint: int = Field(..., ge=0, le=2**31 - 1, description="the checkpoint number")
+    reason: Text = Field("", max_length=2000)
+    dry_run: bool = Field(False, description="only say what it would do; change nothing")
+    and_continue: bool = Field(False, description="queue the run at once instead of holding")
+    decisions: dict[str, Text] = Field(
+        default_factory=dict,
+        description="effect id -> ask, reuse, again or compensate (default: ask)",
+    )
+
+
+class EffectDoneOut(Schema):
+    id: int
+    key: str
+    what: str
+    status: str
+    seq: int
+    can_compensate: bool
+    choices: list[str]
+
+
+class RollbackOut(Schema):
+    run_id: str
+    target: int
+    dry_run: bool
+    will_run_from: str
+    effects: list[EffectDoneOut]
+    sentences: list[str] = Field(..., description="the preview in plain words")
+    held: bool
+    new_head: int | None
+    run: RunDetailOut | None
+
+
+class ForkIn(Schema):
+    checkpoint: int = Field(..., ge=0, le=2**31 - 1)
+    state: dict[str, JSON] | None = Field(None, description="an edited state (validated)")
+    what_if: bool = False
+    reason: Text = Field("", max_length=2000)
+
+
+class HoldIn(Schema):
+    hold: bool = Field(..., description="true: put on legal hold; false: release it")
+    reason: Text = Field("", max_length=2000)
+
+
+class ResolveIn(Schema):
+    outcome: Text = Field(..., pattern="^(done|failed|retry)$")
+    result: JSON = None
+    note: Text = Field("", max_length=2000)
+
+
+class EffectOut(Schema):
+    id: int
+    run_id: str
+    key: str
+    status: str
+    attempts: int
+    resolved_by: str
+    resolution_note: str
+
+
+class EventOut(Schema):
+    id: int
+    kind: str
+    seq: int | None
+    step: str
+    actor: str
+    reason: str
+    worker: str
+    data: JSON
+    created_at: datetime
+
+
+class EventPage(Schema):
+    items: list[EventOut]
+    next_cursor: str | None = None
+
+
+class IndicatorOut(Schema):
+    key: str
+    label: str
+    unit: str
+    value: float | None
+    target: float | None
+    met: bool | None
+    total: int
+    bad: int
+    budget: float | None
+
+
+class SloOut(Schema):
+    window: str
+    agent: str | None
+    start: datetime
+    end: datetime
+    indicators: list[IndicatorOut]
+
+
+class SloPerAgentOut(Schema):
+    window: str
+    agents: dict[str, list[IndicatorOut]]
+
+
+class EffectRowOut(Schema):
+    id: int
+    key: str
+    occurrence: int
+    step: str
+    function: str
+    label: str
+    status: str
+    idempotency_key: str
+    args: JSON
+    result: JSON
+    error: str
+    attempts: int
+    idempotent: bool
+    resolved_by: str
+    created_at: datetime
+    completed_at: datetime | None
+
+
+class EffectPage(Schema):
+    items: list[EffectRowOut]
+    next_cursor: str | None = None
+
+
+class CallOut(Schema):
+    id: int
+    key: str
+    occurrence: int
+    kind: str
+    step: str
+    function: str
+    result: JSON
+    duration_ms: float
+    replays: int
+    created_at: datetime
+
+
+class CallPage(Schema):
+    items: list[CallOut]
+    next_cursor: str | None = None
