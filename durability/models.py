@@ -621,14 +621,10 @@ def _check_runs_exist(run_ids: set[Any], using: str) -> None:
     check. Every other writer comes here, inside its transaction: on PostgreSQL the run rows
     are locked as a foreign key would lock them (FOR KEY SHARE: a delete waits for the
     event's transaction, or the event sees the run gone); SQLite runs one writer at a time."""
-    db = connections[using]
+    from durability.store import for_connection
+
     ids = [uuid.UUID(str(run_id)) for run_id in run_ids]
-    if db.vendor == "postgresql":
-        with db.cursor() as cur:
-            cur.execute("SELECT id FROM durability_run WHERE id = ANY(%s) FOR KEY SHARE", [ids])
-            found = {row[0] for row in cur.fetchall()}
-    else:
-        found = set(Run.objects.using(using).filter(pk__in=ids).values_list("pk", flat=True))
+    found = for_connection(connections[using]).existing_runs(ids)
     missing = sorted(str(run_id) for run_id in ids if run_id not in found)
     if missing:
         raise IntegrityError(f"no run {', '.join(missing)}: an event needs its run")
