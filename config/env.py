@@ -86,12 +86,11 @@ def private_sqlite_files(sender: Any = None, connection: Any = None, **kwargs: A
     password hashes and sessions. SQLite creates them with the umask's mode, before any row
     is written; the var dir around them is 0700 already. Done when a connection opens, not
     when settings load, so that a build step (collectstatic in an image) creates nothing."""
-    if connection is None or connection.vendor != "sqlite":
+    if connection is None:
         return
-    name = str(connection.settings_dict.get("NAME") or "")
-    if not name or name == ":memory:" or name.startswith("file:"):
-        return
-    for path in (name, f"{name}-wal", f"{name}-shm", f"{name}-journal"):
+    from durability.store import for_connection
+
+    for path in for_connection(connection).private_files():
         try:
             found = os.stat(path)
         except FileNotFoundError:

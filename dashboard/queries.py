@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection
 from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Substr
 from django.utils import timezone
 
 from dashboard import params
 from durability.models import Approval, ApprovalStatus, Checkpoint, Event, Run, RunStatus
+from durability.store import store
 
 SINCE = {
     "1h": timedelta(hours=1),
@@ -163,7 +163,7 @@ def _annotated(runs: QuerySet[Run]) -> QuerySet[Run]:
 
 def page(f: Filters, cursor: str = "", size: int = PAGE_SIZE) -> RunsPage:
     after = decode_cursor(cursor)
-    if connection.vendor == "postgresql" and is_text_search(f):
+    if store().indexed_text_search and is_text_search(f):
         return _text_page(f, after, size)
     runs = filtered(f)
     if after is not None:
@@ -182,26 +182,7 @@ def _text_page(f: Filters, after: tuple[datetime, uuid.UUID] | None, size: int) 
     matching runs (found through the trigram index on ``upper(input)``, migration 0003, and
     materialized once) instead of one pass each."""
     matching = filtered(f, with_status=False).order_by().values_list("id", "status", "created_at")
-    sql, params = matching.query.sql_with_params()
-    conditions, extra = [], []
-    if f.status:
-        conditions.append("status = %s")
-        extra.append(f.status)
-    if after is not None:
-        conditions.append("(created_at, id) < (%s, %s)")
-        extra += [after[0], after[1]]
-    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-    query = (
-        f"WITH m AS MATERIALIZED ({sql})"
-        " SELECT status, count(*)::int, NULL::uuid FROM m GROUP BY status"
-        f" UNION ALL (SELECT NULL, NULL, id FROM m {where}"
-        f" ORDER BY created_at DESC, id DESC LIMIT {int(size) + 1})"
-    )
-    with connection.cursor() as cur:
-        cur.execute(query, [*params, *extra])
-        found = cur.fetchall()
-    tally = {status: n for status, n, _ in found if status is not None}
-    ids = [ident for status, _, ident in found if status is None]
+    tally, ids = store().text_page(matching, f.status, after, size)
     rows = list(_annotated(Run.objects.filter(pk__in=ids[:size])))
     more = len(ids) > size
     return RunsPage(

@@ -20,7 +20,6 @@ the database answers again. Lease times use the database clock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import select
@@ -31,9 +30,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
-from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Q, When
-from django.db.models.expressions import RawSQL
+from django.db import DatabaseError, transaction
+from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, When
 from django.db.models.functions import Coalesce, Now
 
 from durability import lifecycle
@@ -45,6 +43,8 @@ from durability.models import (
     Run,
     RunStatus,
 )
+from durability.store import reconnect, store
+from durability.store.postgres import advisory_key
 
 log = logging.getLogger(__name__)
 
@@ -74,109 +74,41 @@ def db_now_plus(seconds: float) -> ExpressionWrapper:
 # --- the liveness lock -------------------------------------------------------------------------
 
 
-def advisory_key(run_id: Any) -> int:
-    """A run's advisory-lock key: the first 8 bytes of its UUID as a signed bigint."""
-    raw = run_id.bytes if hasattr(run_id, "bytes") else __import__("uuid").UUID(str(run_id)).bytes
-    return int.from_bytes(raw[:8], "big", signed=True)
-
-
-def _lock_path(run_id: Any) -> str:
-    folder = getattr(settings, "DURABILITY_LOCK_DIR", "var/locks")
-    os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f"{run_id}.lock")
-
-
 class LivenessLock:
     """Held by the process executing a run, on the connection (or file) of the thread that
-    creates it; released by the OS or the database if the process dies."""
+    creates it; released by the OS or the database if the process dies. The lock itself is
+    the store's (a session advisory lock on PostgreSQL, an ``flock`` on SQLite)."""
 
     def __init__(self, run_id: Any) -> None:
         self.run_id = run_id
-        self._fd: int | None = None
-        self.held = False
-        self.pid: int | None = None  # the database session holding it (PostgreSQL)
+        self._lock = store().run_lock(run_id)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.held
+
+    @held.setter
+    def held(self, value: bool) -> None:
+        self._lock.held = value
+
+    @property
+    def pid(self) -> int | None:
+        """The database session holding it (None where a file holds it)."""
+        return self._lock.pid
 
     def acquire(self) -> bool:
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cur:
-                cur.execute(
-                    "SELECT pg_try_advisory_lock(%s), pg_backend_pid()",
-                    [advisory_key(self.run_id)],
-                )
-                got, pid = cur.fetchone()
-                self.held = bool(got)
-                self.pid = int(pid) if self.held else None
-            return self.held
-        fd = os.open(_lock_path(self.run_id), os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._fd = fd
-        self.held = True
-        return True
+        return self._lock.acquire()
 
     def on_connection(self) -> bool:
         """Held by a database session (which a dropped connection frees), not by a file."""
-        return self._fd is None
+        return self._lock.on_connection()
 
     def session_socket(self) -> int | None:
         """The socket of the session holding the lock: readable when the server ends it."""
-        if self._fd is not None or not self.held or connection.connection is None:
-            return None
-        try:
-            return connection.connection.fileno()
-        except Exception:  # closed under us
-            return None
+        return self._lock.session_socket()
 
     def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-            return
-        try:
-            with connection.cursor() as cur:
-                cur.execute("SELECT pg_advisory_unlock(%s)", [advisory_key(self.run_id)])
-        except DatabaseError:
-            connection.close()  # closing the session frees the lock as well
-
-
-# Advisory locks granted in this database, as (classid, objid, objsubid, pid): objsubid 1 for
-# a single bigint key (a run's), 2 for a pair of integers (a worker's presence).
-HELD_ADVISORY_LOCKS = (
-    "SELECT classid::bigint, objid::bigint, objsubid, pid FROM pg_locks"
-    " WHERE locktype = 'advisory' AND granted"
-    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-)
-
-
-def _key_parts(run_id: Any) -> tuple[int, int]:
-    """A run's advisory key as pg_locks shows it: (classid, objid), each 32 unsigned bits."""
-    key = advisory_key(run_id) & 0xFFFFFFFFFFFFFFFF
-    return key >> 32, key & 0xFFFFFFFF
-
-
-# Sessions holding the liveness lock of one of the given (run, token) pairs, proven stalled
-# in this very statement: the run is still at that token (nobody claimed it since the sweep
-# decided), it is queued or its lease ran out, and the holder's session has done nothing for
-# a heartbeat interval plus a margin (a live holder beats every interval, and takes its lock
-# moments before claiming: one that took the run an instant ago is never touched).
-_END_STALLED = f"""
-SELECT count(*) FILTER (WHERE pg_terminate_backend(held.pid))
-  FROM ({HELD_ADVISORY_LOCKS}) held
-  JOIN unnest(%s::uuid[], %s::bigint[], %s::bigint[], %s::bigint[]) AS w(run_id, hi, lo, token)
-    ON held.classid = w.hi AND held.objid = w.lo
-  JOIN durability_run r ON r.id = w.run_id AND r.lease_token = w.token
-  JOIN pg_stat_activity a ON a.pid = held.pid
- WHERE held.objsubid = 1 AND held.pid <> pg_backend_pid()
-   AND (r.status = 'queued' OR (r.status = 'running' AND r.lease_expires_at < now()))
-   AND a.state_change < now() - %s * interval '1 second'
-"""
+        self._lock.release()
 
 
 def end_stalled_holders(runs: list[tuple[Any, int]]) -> int:
@@ -190,44 +122,7 @@ def end_stalled_holders(runs: list[tuple[Any, int]]) -> int:
     The proof is checked in the statement that ends the session (see ``_END_STALLED``), so a
     worker that took the run since the sweep decided is never touched. Returns the number of
     sessions ended (PostgreSQL; elsewhere the lock dies with the process)."""
-    if connection.vendor != "postgresql" or not runs:
-        return 0
-    parts = [_key_parts(run_id) for run_id, _ in runs]
-    with connection.cursor() as cur:
-        cur.execute(
-            _END_STALLED,
-            [
-                [str(run_id) for run_id, _ in runs],
-                [hi for hi, _ in parts],
-                [lo for _, lo in parts],
-                [int(token) for _, token in runs],
-                settle_seconds(),
-            ],
-        )
-        return int(cur.fetchone()[0])
-
-
-def _held_by(run_id: Any, pid: int | None = None) -> str:
-    """SQL: the run's liveness lock is held (by session ``pid`` if given)."""
-    hi, lo = _key_parts(run_id)
-    by = f" AND pid = {int(pid)}" if pid is not None else ""
-    return (
-        f"EXISTS (SELECT 1 FROM ({HELD_ADVISORY_LOCKS}) held"
-        f" WHERE objsubid = 1 AND classid = {hi} AND objid = {lo}{by})"
-    )
-
-
-def _missing_lock_explained_sql() -> tuple[str, list[Any]]:
-    """SQL over ``durability_run``: a missing liveness lock may be a session the database
-    lost, not a death. So it is, while the server has been up for less than a heartbeat
-    interval plus a margin (a live holder reconnects and takes its lock back within that)
-    and the holder gave a sign of life within its lease."""
-    return (
-        "(now() - pg_postmaster_start_time() <= %s * interval '1 second'"
-        " AND COALESCE(durability_run.heartbeat_at, durability_run.claimed_at)"
-        " >= now() - %s * interval '1 second')",
-        [settle_seconds(), lease_seconds()],
-    )
+    return store().end_stalled_holders(runs, settle_seconds())
 
 
 def proven_dead(run_id: Any, why: str) -> Q:
@@ -237,57 +132,19 @@ def proven_dead(run_id: Any, why: str) -> Q:
     caller also fences on the token it read, so the claim is older than its decision."""
     if why == "lease expired":
         return Q(lease_expires_at__lt=Now())
-    if connection.vendor != "postgresql":
-        return Q()  # a file lock cannot be read in SQL: the caller looked just before
-    explained, params = _missing_lock_explained_sql()
-    return Q(
-        RawSQL(f"(NOT {_held_by(run_id)} AND NOT {explained})", params, output_field=BooleanField())
-    )
+    # Where a file holds the lock, it cannot be read in SQL: the caller looked just before.
+    return store().lock_gone(run_id, settle_seconds(), lease_seconds())
 
 
 def lock_holders(run_ids: list[Any]) -> dict[str, set[int]]:
     """Of ``run_ids``, those whose liveness lock some process holds now, with the database
-    sessions (pids) holding it (none known outside PostgreSQL)."""
-    if not run_ids:
-        return {}
-    if connection.vendor == "postgresql":
-        wanted = {}
-        for run_id in run_ids:
-            key = advisory_key(run_id) & 0xFFFFFFFFFFFFFFFF
-            wanted[(key >> 32, key & 0xFFFFFFFF)] = str(run_id)
-        with connection.cursor() as cur:
-            cur.execute(
-                f"SELECT classid, objid, pid FROM ({HELD_ADVISORY_LOCKS}) held WHERE objsubid = 1"
-            )
-            holders: dict[str, set[int]] = {}
-            for a, b, pid in cur.fetchall():
-                run = wanted.get((int(a), int(b)))
-                if run is not None:
-                    holders.setdefault(run, set()).add(int(pid))
-        return holders
-    return {run_id: set() for run_id in _flock_held(run_ids)}
+    sessions (pids) holding it (none known where a file holds it)."""
+    return store().lock_holders(run_ids)
 
 
 def live_owners(run_ids: list[Any]) -> set[str]:
     """Of ``run_ids``, those whose liveness lock some process holds now."""
     return set(lock_holders(run_ids))
-
-
-def _flock_held(run_ids: list[Any]) -> set[str]:
-    alive = set()
-    for run_id in run_ids:
-        path = _lock_path(run_id)
-        if not os.path.exists(path):
-            continue
-        fd = os.open(path, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BlockingIOError:
-            alive.add(str(run_id))
-        finally:
-            os.close(fd)
-    return alive
 
 
 # --- claiming ---------------------------------------------------------------------------------
@@ -314,20 +171,6 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool, holder: int | None = No
     have taken its lock back yet: see ``proven_dead``). ``holder``: the session that holds
     the lock for this worker (PostgreSQL); the claim is made only while it still does, so a
     lease is never taken on a lock lost to a restart in between."""
-    runnable = Q(status=RunStatus.QUEUED) & (Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
-    timer_due = Q(status=RunStatus.WAITING, wait_reason__in=TIMED_WAITS, wake_at__lte=Now())
-    expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now())
-    stale = Q(status=RunStatus.RUNNING) & expired
-    if owner_dead:
-        if connection.vendor == "postgresql":
-            explained, params = _missing_lock_explained_sql()
-            unexplained = RawSQL(f"NOT {explained}", params, output_field=BooleanField())
-            stale = Q(status=RunStatus.RUNNING) & (expired | Q(unexplained))
-        else:
-            stale = Q(status=RunStatus.RUNNING)
-    ours = Q()
-    if holder is not None and connection.vendor == "postgresql":
-        ours = Q(RawSQL(_held_by(run_id, holder), [], output_field=BooleanField()))
     with transaction.atomic():
         busy = _over_concurrency(run_id)
         if busy:
@@ -337,55 +180,76 @@ def claim(run_id: Any, worker: str, *, owner_dead: bool, holder: int | None = No
             return None
         updated = (
             Run.objects.filter(pk=run_id)
-            .filter(runnable | timer_due | stale)
-            .filter(ours)
-            .update(
-                lease_token=F("lease_token") + 1,
-                lease_owner=worker,
-                lease_expires_at=db_now_plus(lease_seconds()),
-                # A lease taken over from a dead process: remember its last sign of life.
-                lost_heartbeat_at=Case(
-                    When(status=RunStatus.RUNNING, then=Coalesce("heartbeat_at", "claimed_at")),
-                    default=F("lost_heartbeat_at"),
-                ),
-                # Taken over here, or requeued by the sweeper from a dead attempt.
-                recoveries=Case(
-                    When(
-                        Q(status=RunStatus.RUNNING) | Q(lost_heartbeat_at__isnull=False),
-                        then=F("recoveries") + 1,
-                    ),
-                    default=F("recoveries"),
-                ),
-                heartbeat_at=Now(),
-                claimed_at=Now(),
-                attempts=F("attempts") + 1,
-                started_at=Coalesce("started_at", Now()),
-                updated_at=Now(),
-                **lifecycle.claimed(),
-            )
+            .filter(_claimable(owner_dead))
+            .filter(store().lock_held_by(run_id, holder))
+            .update(**_CLAIMED, lease_owner=worker, lease_expires_at=db_now_plus(lease_seconds()))
         )
         if not updated:
             return None
-        run = Run.objects.get(pk=run_id)
-        recovered = run.lost_heartbeat_at is not None
-        events = [
-            Event(
-                run=run,
-                kind=EventKind.CLAIMED,
-                seq=run.head_seq,
-                step=run.step,
-                worker=worker,
-                data=f'{{"attempt":{run.attempts}}}',
-            )
-        ]
-        figures: dict[str, float | None] = {}
-        lost_at = run.lost_heartbeat_at
-        if recovered:
-            event, figures = _recovered_event(run, worker)
-            events.append(event)
-            Run.objects.filter(pk=run_id).update(lost_heartbeat_at=None)
-            run.lost_heartbeat_at = None
-        Event.objects.bulk_create(events)
+        return _claimed(run_id, worker)
+
+
+def _claimable(owner_dead: bool) -> Q:
+    """Which runs a claim may take: due, a timer due, or a lease whose holder is gone."""
+    runnable = Q(status=RunStatus.QUEUED) & (Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
+    timer_due = Q(status=RunStatus.WAITING, wait_reason__in=TIMED_WAITS, wake_at__lte=Now())
+    expired = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now())
+    stale = Q(status=RunStatus.RUNNING) & expired
+    if owner_dead:
+        unexplained = store().lock_loss_unexplained(settle_seconds(), lease_seconds())
+        # Where no session holds the lock, a free one always means its holder died.
+        dead = Q() if unexplained is None else expired | unexplained
+        stale = Q(status=RunStatus.RUNNING) & dead
+    return runnable | timer_due | stale
+
+
+# What a claim sets (the lease's expiry is computed per claim).
+_CLAIMED: dict[str, Any] = {
+    "lease_token": F("lease_token") + 1,
+    # A lease taken over from a dead process: remember its last sign of life.
+    "lost_heartbeat_at": Case(
+        When(status=RunStatus.RUNNING, then=Coalesce("heartbeat_at", "claimed_at")),
+        default=F("lost_heartbeat_at"),
+    ),
+    # Taken over here, or requeued by the sweeper from a dead attempt.
+    "recoveries": Case(
+        When(
+            Q(status=RunStatus.RUNNING) | Q(lost_heartbeat_at__isnull=False),
+            then=F("recoveries") + 1,
+        ),
+        default=F("recoveries"),
+    ),
+    "heartbeat_at": Now(),
+    "claimed_at": Now(),
+    "attempts": F("attempts") + 1,
+    "started_at": Coalesce("started_at", Now()),
+    "updated_at": Now(),
+    **lifecycle.claimed(),
+}
+
+
+def _claimed(run_id: Any, worker: str) -> Claim:
+    """After the claim's UPDATE, in its transaction: its events, and the claim."""
+    run = Run.objects.get(pk=run_id)
+    recovered = run.lost_heartbeat_at is not None
+    events = [
+        Event(
+            run=run,
+            kind=EventKind.CLAIMED,
+            seq=run.head_seq,
+            step=run.step,
+            worker=worker,
+            data=f'{{"attempt":{run.attempts}}}',
+        )
+    ]
+    figures: dict[str, float | None] = {}
+    lost_at = run.lost_heartbeat_at
+    if recovered:
+        event, figures = _recovered_event(run, worker)
+        events.append(event)
+        Run.objects.filter(pk=run_id).update(lost_heartbeat_at=None)
+        run.lost_heartbeat_at = None
+    Event.objects.bulk_create(events)
     return Claim(
         run=run,
         token=run.lease_token,
@@ -535,7 +399,7 @@ class LeaseKeeper:
             try:
                 lock.release()
             finally:
-                connection.close()
+                reconnect.drop()
 
     def _wait(self, lock: LivenessLock, timeout: float | None) -> bool:
         """Sleep until poked, the timeout, or the session's socket turns readable (the
@@ -555,8 +419,7 @@ class LeaseKeeper:
         if sock is None or sock not in readable:
             return False
         try:
-            with connection.cursor() as cur:
-                cur.execute("SELECT 1")
+            store().ping()
             return False  # a notice, not an ending
         except DatabaseError:
             return True
@@ -569,7 +432,7 @@ class LeaseKeeper:
         lock.held = False
         delay = 0.05
         while not self._stop.is_set():
-            connection.close()
+            reconnect.drop()
             try:
                 if lock.acquire():
                     self.pid = lock.pid
@@ -605,26 +468,10 @@ def still_ours(run_id: Any, token: int) -> bool:
     return Run.objects.filter(pk=run_id, lease_token=token).exists()
 
 
-_RENEW = """
-WITH cfg AS (SELECT set_config('synchronous_commit', 'local', true) AS v)
-UPDATE durability_run
-   SET lease_expires_at = now() + %s * interval '1 second', heartbeat_at = now()
- WHERE id = %s AND lease_token = %s AND (SELECT v FROM cfg) IS NOT NULL
-"""
-
-
 def renew(run_id: Any, token: int) -> bool:
     """A heartbeat: extend the lease if it is still ours. It waits for no standby (a row lock
     held by a heartbeat stuck on a lost standby would block the run's own commits)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
-            cur.execute(_RENEW, [lease_seconds(), run_id, token])
-            return cur.rowcount > 0
-    return bool(
-        Run.objects.filter(pk=run_id, lease_token=token).update(
-            lease_expires_at=db_now_plus(lease_seconds()), heartbeat_at=Now()
-        )
-    )
+    return store().renew_lease(run_id, token, lease_seconds())
 
 
 def release(run_id: Any, token: int, **fields: Any) -> bool:
@@ -638,7 +485,6 @@ def release(run_id: Any, token: int, **fields: Any) -> bool:
 
 
 __all__ = [
-    "HELD_ADVISORY_LOCKS",
     "Claim",
     "end_stalled_holders",
     "lock_holders",

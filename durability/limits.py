@@ -14,12 +14,13 @@ from datetime import timedelta
 from functools import lru_cache
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from durability import lifecycle
 from durability.errors import AgentDefinitionError
 from durability.models import RateBucket, Run, RunStatus, WaitReason
+from durability.store import store
 
 _PERIODS = {
     "s": 1.0,
@@ -95,10 +96,7 @@ def take(resource: str, cost: float = 1.0) -> float:
 def agent_slot_taken(agent: str, limit: int, run_id: object) -> str:
     """Inside the claim's transaction: "" when ``run_id`` may execute, else why not. The
     agent-wide lock makes concurrent claims count one after the other."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
-            # The two-key form: a lock space apart from the runs' own bigint locks.
-            cur.execute("SELECT pg_advisory_xact_lock(4207, hashtext(%s))", [agent])
+    store().lock_agent_slots(agent)
     running = Run.objects.filter(agent=agent, status=RunStatus.RUNNING).exclude(pk=run_id).count()
     if running >= limit:
         return f"{running} of {limit} {agent} runs are executing"

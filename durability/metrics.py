@@ -31,6 +31,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from durability.store import store
+
 QUANTILES = (0.5, 0.95, 0.99)
 
 
@@ -46,15 +48,12 @@ class DurabilityCollector:
         self.window = window_seconds
 
     def collect(self):
-        from durability.models import (
-            Approval,
-            ApprovalStatus,
-            Effect,
-            EffectStatus,
-            Event,
-            EventKind,
-            Run,
-        )
+        yield from self._current()
+        yield from self._windowed()
+
+    def _current(self):
+        """Gauges of what is true now: runs, effects in doubt, pending approvals."""
+        from durability.models import Approval, ApprovalStatus, Effect, EffectStatus, Run
 
         runs = GaugeMetricFamily(
             "durability_runs", "Runs by agent and status", labels=["agent", "status"]
@@ -83,38 +82,25 @@ class DurabilityCollector:
             value=(timezone.now() - oldest).total_seconds() if oldest else 0.0,
         )
 
+    def _windowed(self):
+        """Figures over the last window of the event timeline."""
         since = timezone.now() - timedelta(seconds=self.window)
         label = [f"{int(self.window)}s"]
         commits, latency_quantiles = _commit_figures(since)
-        # Failures and recoveries are rare rows: read them whole.
-        rows = Event.objects.filter(
-            created_at__gte=since, kind__in=(EventKind.COMMIT_FAILED, EventKind.RECOVERED)
-        ).values_list("kind", "data")
-        failures = 0
-        recoveries, work_lost = [], []
-        for kind, data in rows:
-            if kind == EventKind.COMMIT_FAILED and data:
-                failures += int(orjson.loads(data).get("failed_commits", 1))
-            elif kind == EventKind.RECOVERED and data:
-                figures = orjson.loads(data)
-                if figures.get("recovery_ms") is not None:
-                    recoveries.append(figures["recovery_ms"] / 1000)
-                if figures.get("work_lost_ms") is not None:
-                    work_lost.append(figures["work_lost_ms"] / 1000)
-
-        yield _windowed(
+        failures, recoveries, work_lost = _failures_and_recoveries(since)
+        yield _gauge(
             "durability_checkpoint_commits_window",
             "Checkpoints committed in the window",
             label,
             commits,
         )
-        yield _windowed(
+        yield _gauge(
             "durability_checkpoint_commit_failures_window",
             "Checkpoint commits that failed in the window",
             label,
             failures,
         )
-        yield _windowed(
+        yield _gauge(
             "durability_checkpoint_commit_success_ratio_window",
             "Share of checkpoint commits that succeeded at their first attempt",
             label,
@@ -139,7 +125,7 @@ class DurabilityCollector:
             for q, value in quantiles.items():
                 family.add_metric([*label, str(q)], value)
             yield family
-        yield _windowed(
+        yield _gauge(
             "durability_recoveries_window",
             "Runs recovered from a dead worker in the window",
             label,
@@ -147,7 +133,29 @@ class DurabilityCollector:
         )
 
 
-def _windowed(name: str, help_text: str, label: list[str], value: float) -> GaugeMetricFamily:
+def _failures_and_recoveries(since) -> tuple[int, list[float], list[float]]:
+    """Failed commits, recovery times and work lost (seconds) in the window: rare rows, read
+    whole."""
+    from durability.models import Event, EventKind
+
+    rows = Event.objects.filter(
+        created_at__gte=since, kind__in=(EventKind.COMMIT_FAILED, EventKind.RECOVERED)
+    ).values_list("kind", "data")
+    failures = 0
+    recoveries, work_lost = [], []
+    for kind, data in rows:
+        if kind == EventKind.COMMIT_FAILED and data:
+            failures += int(orjson.loads(data).get("failed_commits", 1))
+        elif kind == EventKind.RECOVERED and data:
+            figures = orjson.loads(data)
+            if figures.get("recovery_ms") is not None:
+                recoveries.append(figures["recovery_ms"] / 1000)
+            if figures.get("work_lost_ms") is not None:
+                work_lost.append(figures["work_lost_ms"] / 1000)
+    return failures, recoveries, work_lost
+
+
+def _gauge(name: str, help_text: str, label: list[str], value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, help_text, labels=["window"])
     family.add_metric(label, value)
     return family
@@ -156,34 +164,7 @@ def _windowed(name: str, help_text: str, label: list[str], value: float) -> Gaug
 def _commit_figures(since) -> tuple[int, dict[float, float]]:
     """Commits in the window and their latency quantiles, aggregated by the database where it
     can (a busy window holds hundreds of thousands of commits)."""
-    from durability.models import Event, EventKind
-
-    kinds = (EventKind.CHECKPOINT, EventKind.COMMIT_LATENCY)
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
-            cur.execute(
-                "SELECT count(*) FILTER (WHERE kind = 'checkpoint'),"
-                " percentile_cont(%s::float8[]) WITHIN GROUP (ORDER BY commit_us)"
-                " FROM durability_event WHERE created_at >= %s AND kind IN (%s, %s)"
-                " AND (commit_us IS NOT NULL OR kind = 'checkpoint')",
-                [list(QUANTILES), since, *kinds],
-            )
-            commits, values = cur.fetchone()
-        quantiles = {}
-        if values and any(v is not None for v in values):
-            quantiles = {
-                q: v / 1e6 for q, v in zip(QUANTILES, values, strict=True) if v is not None
-            }
-        return commits, quantiles
-    rows = Event.objects.filter(created_at__gte=since, kind__in=kinds).values_list(
-        "kind", "commit_us"
-    )
-    commits, latencies = 0, []
-    for kind, us in rows:
-        commits += kind == EventKind.CHECKPOINT
-        if us is not None:
-            latencies.append(us / 1e6)
-    return commits, _quantiles(latencies)
+    return store().commit_figures(since, QUANTILES)
 
 
 _cache_lock = threading.Lock()

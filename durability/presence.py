@@ -17,13 +17,13 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from durability import canonical, lifecycle
 from durability.agents import registry
-from durability.leases import HELD_ADVISORY_LOCKS
 from durability.models import Checkpoint, Run, WaitReason, WorkerPresence
+from durability.store import store
 
 
 def ttl() -> float:
@@ -59,16 +59,9 @@ def announce(name: str, *, hold: bool = False) -> None:
     now = timezone.now()
     data = canonical.dumps(capabilities()).decode()
     key = None
-    if hold and connection.vendor == "postgresql":
+    if hold and store().session_locks:
         key = liveness_key(name)
-        with connection.cursor() as cur:
-            # Session locks stack: take it only if this session does not hold it yet.
-            cur.execute(
-                "SELECT pg_try_advisory_lock(%s, %s) WHERE NOT EXISTS (SELECT 1 FROM pg_locks"
-                " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND objsubid = 2"
-                " AND classid = %s::bigint::oid AND objid = %s::bigint::oid)",
-                [_LOCK_NAMESPACE, key, _LOCK_NAMESPACE, key],
-            )
+        store().hold_worker_lock(_LOCK_NAMESPACE, key)
     fields = {"capabilities": data, "seen_at": now, "liveness_key": key}
     if not WorkerPresence.objects.filter(pk=name).update(**fields):
         WorkerPresence.objects.update_or_create(pk=name, defaults={**fields, "started_at": now})
@@ -103,14 +96,7 @@ def live() -> dict[str, dict]:
 
 
 def _held_keys() -> set[int]:
-    if connection.vendor != "postgresql":
-        return set()
-    with connection.cursor() as cur:
-        cur.execute(
-            f"SELECT objid FROM ({HELD_ADVISORY_LOCKS}) held WHERE objsubid = 2 AND classid = %s",
-            [_LOCK_NAMESPACE],
-        )
-        return {int(row[0]) for row in cur.fetchall()}
+    return store().held_worker_keys(_LOCK_NAMESPACE)
 
 
 def route(run_id: Any) -> tuple[str | None, str]:

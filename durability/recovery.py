@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, OperationalError, connection, transaction
+from django.db import DatabaseError, OperationalError, transaction
 from django.db.models import Q
 from django.db.models.functions import Coalesce, Now
 
 from durability import dispatch, events, leases, lifecycle
 from durability.faults import fault
 from durability.models import TIMED_WAITS, Run, RunStatus, WaitReason
+from durability.store import store
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,7 @@ class SweepReport:
 
 
 def _db_now() -> Any:
-    with connection.cursor() as cur:
-        if connection.vendor == "postgresql":
-            cur.execute("SELECT now()")
-            return cur.fetchone()[0]
-    from django.utils import timezone
-
-    return timezone.now()
+    return store().now()
 
 
 def sweep(limit: int = 500) -> SweepReport:
@@ -113,9 +108,7 @@ def _recover_dead(report: SweepReport, limit: int) -> None:
 
 def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str, decision: Any) -> bool:
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cur:  # never wait long on a stalled row lock
-                cur.execute("SET LOCAL lock_timeout = '2s'")
+        store().lock_timeout(2.0)  # never wait long on a stalled row lock
         dead = Q(claimed_at__lt=decision) & leases.proven_dead(run_id, why)
         lost = Coalesce("heartbeat_at", "claimed_at")
         if not lifecycle.requeue(run_id, token, dead, lost_heartbeat_at=lost):

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -48,6 +48,7 @@ from durability.models import (
     Run,
     Snapshot,
 )
+from durability.store import store
 
 
 @dataclass
@@ -134,7 +135,6 @@ _HOLDERS = (
     (Message, "data"),
 )
 _REF = re.compile(r'"\$blob":"([0-9a-f]{64})"')
-_REF_SQL = r'"\$blob":"([0-9a-f]{64})"'
 
 
 def referenced_blobs() -> set[str]:
@@ -142,22 +142,7 @@ def referenced_blobs() -> set[str]:
     key first and without spaces, so one pattern finds them all)."""
     found: set[str] = set()
     for model, column in _HOLDERS:
-        table = model._meta.db_table
-        if connection.vendor == "postgresql":
-            # Matched in the database: only digests cross the wire, not whole states.
-            with connection.cursor() as cur:
-                cur.execute(
-                    f"SELECT DISTINCT (regexp_matches({column}, %s, 'g'))[1] FROM {table}"
-                    f" WHERE strpos({column}, '\"$blob\"') > 0",
-                    [_REF_SQL],
-                )
-                found.update(row[0] for row in cur.fetchall())
-            continue
-        rows = model.objects.filter(**{f"{column}__contains": '"$blob"'}).values_list(
-            column, flat=True
-        )
-        for text in rows.iterator(chunk_size=100):
-            found.update(_REF.findall(text))
+        found |= store().blob_references(model, column, _REF)
     return found
 
 

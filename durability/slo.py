@@ -24,8 +24,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
-from django.db.models import Aggregate, Count, FloatField, Q, QuerySet, Sum
+from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
 from durability import canonical
@@ -39,6 +38,7 @@ from durability.models import (
     Run,
     RunStatus,
 )
+from durability.store import store
 
 WINDOWS: dict[str, timedelta] = {
     "1h": timedelta(hours=1),
@@ -86,18 +86,6 @@ def budget_left(total: int, bad: int, allowed_fraction: float) -> float | None:
     if allowed <= 0:
         return 1.0 if bad == 0 else -float(bad)
     return 1 - bad / allowed
-
-
-class PercentileCont(Aggregate):
-    """PostgreSQL's ordered-set aggregate; ``filter=`` becomes ``FILTER (WHERE ...)``."""
-
-    function = "percentile_cont"
-    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)%(filter)s"
-    output_field = FloatField()
-    allow_filter = True
-
-    def __init__(self, expression: Any, fraction: float, **extra: Any) -> None:
-        super().__init__(expression, fraction=float(fraction), **extra)
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -261,37 +249,7 @@ def _commit_success(span: Span, agent: str | None, target: float) -> Indicator:
 
 def _commit_latency(span: Span, agent: str | None, target_ms: float) -> Indicator:
     rows = _events(span, agent).filter(commit_us__isnull=False)
-    threshold_us = target_ms * 1000
-    extra: dict[str, Any] = {}
-    series: list[float | None] = []
-    if connection.vendor == "postgresql":
-        aggregates: dict[str, Any] = {
-            "n": Count("pk"),
-            "bad": Count("pk", filter=Q(commit_us__gt=threshold_us)),
-            "p50": PercentileCont("commit_us", 0.5),
-            "p95": PercentileCont("commit_us", 0.95),
-            "p99": PercentileCont("commit_us", 0.99),
-        }
-        for i, (lo, hi) in enumerate(span.edges() if span.buckets else []):
-            aggregates[f"b{i}"] = PercentileCont(
-                "commit_us", 0.99, filter=Q(created_at__gte=lo, created_at__lt=hi)
-            )
-        found = rows.aggregate(**aggregates)
-        total, bad = found["n"], found["bad"]
-        for name in ("p50", "p95", "p99"):
-            extra[name] = found[name] / 1000 if found[name] is not None else None
-        series = [
-            found[f"b{i}"] / 1000 if found[f"b{i}"] is not None else None
-            for i in range(span.buckets)
-        ]
-    else:
-        pairs = [(at, us / 1000) for at, us in rows.values_list("created_at", "commit_us")]
-        values = [v for _, v in pairs]
-        total, bad = len(values), sum(1 for v in values if v > target_ms)
-        for name, fraction in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-            extra[name] = percentile(values, fraction)
-        if span.buckets:
-            series = [percentile(g, 0.99) for g in _group(pairs, span)]
+    total, bad, extra, series = store().commit_latency(rows, target_ms, span)
     return Indicator(
         "commit_latency",
         "Commit latency p99",

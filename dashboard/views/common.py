@@ -22,6 +22,7 @@ from durability.errors import (
     UnknownEffect,
     UnknownRun,
 )
+from durability.store import store
 
 
 def wants_fragment(request: HttpRequest) -> bool:
@@ -77,9 +78,7 @@ def snapshot() -> Iterator[None]:
         yield
         return
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        store().repeatable_read()
         yield
 
 

@@ -1,0 +1,56 @@
+"""The one policy for a lost database connection.
+
+A session that failed is never used again: ``drop`` closes it (the database frees every lock
+it held) and the next use opens a new one. A write that is safe to repeat (insert-if-absent,
+a conditional update) is retried with backoff while the database is away (``retrying``);
+anything else lets the error reach its caller, which decides. Only the errors of a lost
+connection count (``DB_DOWN``): a constraint or a syntax error is never retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError
+from django.db import connection as _default
+
+DB_DOWN = (OperationalError, InterfaceError)
+
+
+def wait_seconds() -> float:
+    """How long a repeatable write waits for the database to come back."""
+    return float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
+
+
+def drop(conn: Any = None) -> None:
+    """End the session of ``conn`` (this thread's default connection if not given) after a
+    failure; closing a broken session may itself fail, which changes nothing."""
+    with contextlib.suppress(Exception):
+        (conn or _default).close()
+
+
+def retrying[T](
+    write: Callable[[], T], *, give_up_after: float | None = None, conn: Any = None
+) -> T:
+    """``write()``, retried with backoff on a new session while the database is away, for up
+    to ``give_up_after`` seconds (``DURABILITY_DB_WAIT_SECONDS``). Inside a transaction
+    nothing is retried: the transaction is lost with its session, and its owner decides."""
+    conn = conn or _default
+    give_up = time.monotonic() + (wait_seconds() if give_up_after is None else give_up_after)
+    delay = 0.05
+    while True:
+        try:
+            return write()
+        except DB_DOWN:
+            if conn.in_atomic_block or time.monotonic() >= give_up:
+                raise
+            drop(conn)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+__all__ = ["DB_DOWN", "drop", "retrying", "wait_seconds"]

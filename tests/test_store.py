@@ -1,0 +1,193 @@
+"""The store: one interface, the same answers on PostgreSQL and SQLite.
+
+Each test runs on the database the suite is pointed at; the smoke subset runs them on the
+embedded default (SQLite) too, so both implementations answer every question here."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.db import IntegrityError, OperationalError, connection, transaction
+from django.utils import timezone
+
+from durability import END, Agent, checkpoints, operations, registry
+from durability.checkpoints import Head, StepCommit
+from durability.errors import FencedOut
+from durability.models import Checkpoint, Event, EventKind, JournalEntry, Run, RunStatus
+from durability.retention import referenced_blobs
+from durability.store import for_connection, reconnect, store
+from durability.store.postgres import PostgresStore
+from durability.store.sqlite import SqliteStore
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
+
+
+@pytest.fixture(autouse=True)
+def agents():
+    registry.unregister("x-store")
+    agent = Agent("x-store", initial_state=lambda inp: {"n": 0})
+
+    @agent.step(start=True)
+    def once(state, ctx):
+        state["n"] = 1
+        return END
+
+
+def _leased(token: int = 7) -> Run:
+    run = operations.start("x-store", {})
+    Run.objects.filter(pk=run.pk).update(lease_token=token, status=RunStatus.RUNNING)
+    return run
+
+
+def _commit(run: Run, token: int) -> StepCommit:
+    head = Head.of(Checkpoint.objects.get(run=run, seq=0))
+    return StepCommit(
+        run_id=run.pk,
+        token=token,
+        head=head,
+        worker="t",
+        step="once",
+        next_step="once",
+        ops_bytes=b"[]",
+        ops_count=0,
+        state_hash=head.state_hash,
+        chain_hash="c" * 64,
+        size=head.size,
+        delta_run=2,
+        schema_version=1,
+        agent_version="1",
+        commit_id=uuid.uuid4(),
+        prev_commit_us=None,
+        lease_seconds=30,
+    )
+
+
+def test_the_store_is_the_one_of_the_database_in_use():
+    expected = {"postgresql": PostgresStore, "sqlite": SqliteStore}[connection.vendor]
+    assert type(store()) is expected
+    assert type(for_connection(connection)) is expected
+
+
+def test_an_unknown_database_is_a_clear_error():
+    class Elsewhere:
+        vendor = "oracle"
+
+    with pytest.raises(NotImplementedError, match="PostgreSQL or SQLite, not on 'oracle'"):
+        for_connection(Elsewhere())
+
+
+def test_a_commit_on_a_stale_token_writes_nothing_and_names_the_lease():
+    run = _leased(token=7)
+    before = (Checkpoint.objects.count(), Event.objects.count())
+    with pytest.raises(FencedOut) as caught:
+        checkpoints.commit_step(_commit(run, token=6))
+    assert caught.value.guard == "lease"
+    assert (Checkpoint.objects.count(), Event.objects.count()) == before
+    assert Run.objects.get(pk=run.pk).head_seq == 0
+
+
+def test_a_commit_writes_its_checkpoint_mutation_and_event_together():
+    run = _leased(token=7)
+    checkpoint_id = checkpoints.commit_step(_commit(run, token=7))
+    cp = Checkpoint.objects.get(pk=checkpoint_id)
+    assert (cp.seq, cp.mutation.ops) == (1, "[]")
+    assert Run.objects.get(pk=run.pk).head_seq == 1
+    assert Event.objects.filter(run=run, kind=EventKind.CHECKPOINT, seq=1).count() == 1
+    # The rebuild's one query reads it back through its snapshot ancestor.
+    assert checkpoints.rebuild(checkpoint_id).deltas == 1
+
+
+def test_a_lease_is_renewed_only_with_its_token():
+    run = _leased(token=7)
+    assert store().renew_lease(run.pk, 7, 30.0)
+    assert not store().renew_lease(run.pk, 6, 30.0)
+    expires = Run.objects.get(pk=run.pk).lease_expires_at
+    assert expires > timezone.now() + timedelta(seconds=20)
+
+
+def test_a_liveness_lock_shows_while_held_and_goes_with_its_release():
+    run = _leased()
+    lock = store().run_lock(run.pk)
+    assert lock.acquire()
+    try:
+        assert str(run.pk) in store().lock_holders([run.pk])
+        assert lock.on_connection() == isinstance(store(), PostgresStore)
+    finally:
+        lock.release()
+    assert store().lock_holders([run.pk]) == {}
+
+
+def test_the_journal_keeps_the_first_record_of_an_identity():
+    run = operations.start("x-store", {})
+    base = Checkpoint.objects.get(run=run, seq=0)
+
+    def entry(result: str) -> JournalEntry:
+        return JournalEntry(
+            run_id=run.pk, base_id=base.pk, key="k", occurrence=0, kind="call", step="once",
+            function="f", args_hash="a", result=result,
+        )  # fmt: skip
+
+    first = entry('"one"')
+    assert store().insert_journal_if_absent(first) is first
+    assert first.pk is not None and first.created_at is not None
+    again = store().insert_journal_if_absent(entry('"two"'))
+    assert (again.pk, again.result) == (first.pk, '"one"')
+    assert JournalEntry.objects.filter(run=run).count() == 1
+
+
+def test_existing_runs_and_the_clock():
+    run = operations.start("x-store", {})
+    missing = uuid.uuid4()
+    assert store().existing_runs([run.pk, missing]) == {run.pk}
+    assert abs((store().now() - timezone.now()).total_seconds()) < 5
+    with transaction.atomic():  # both are statements a transaction may start with
+        store().repeatable_read()
+        store().lock_timeout(2.0)
+        assert Run.objects.filter(pk=run.pk).exists()
+
+
+def test_blob_references_are_found_in_any_state():
+    digest = "ab" * 32
+    run = operations.start("x-store", {"doc": {"$blob": digest, "size": 1}})
+    Run.objects.filter(pk=run.pk).update(input=f'{{"doc":{{"$blob":"{digest}","size":1}}}}')
+    assert digest in referenced_blobs()
+
+
+def test_commit_figures_are_the_same_quantiles_on_both_databases():
+    run = operations.start("x-store", {})
+    for us in (1000, 2000, 3000, 4000):
+        Event.objects.create(run=run, kind=EventKind.CHECKPOINT, seq=0, commit_us=us)
+    since = timezone.now() - timedelta(minutes=1)
+    commits, quantiles = store().commit_figures(since, (0.5, 0.99))
+    assert commits >= 4
+    assert quantiles[0.5] == pytest.approx(0.0025)
+    assert quantiles[0.99] == pytest.approx(0.00397)
+
+
+def test_only_a_lost_connection_is_retried_and_never_inside_a_transaction():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OperationalError("server closed the connection unexpectedly")
+        return "written"
+
+    assert reconnect.retrying(flaky, give_up_after=10) == "written"
+    assert len(calls) == 3
+
+    def refused():
+        calls.append(1)
+        raise IntegrityError("duplicate key")
+
+    calls.clear()
+    with pytest.raises(IntegrityError):
+        reconnect.retrying(refused, give_up_after=10)
+    assert len(calls) == 1
+
+    calls.clear()
+    with transaction.atomic(), pytest.raises(OperationalError):
+        reconnect.retrying(flaky, give_up_after=10)
+    assert len(calls) == 1
