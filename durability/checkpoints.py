@@ -500,14 +500,13 @@ def _params(c: StepCommit, data: str, raw: bool = False) -> dict[str, Any]:
 
 def can_send_ahead(c: StepCommit) -> bool:
     """Whether this commit may be sent without waiting for its answer: PostgreSQL, outside
-    any transaction of the caller's, no fault point armed (a test killing the process
-    "after the commit" needs it answered), and a level with nothing to wait for besides
-    the local flush (a replicated commit has its own timeout)."""
+    any transaction of the caller's, and a level with nothing to wait for besides the local
+    flush (a replicated commit has its own timeout). Fault points keep it: they fire where
+    a crash with a commit in flight would happen (``durability.sendahead``)."""
     return (
         bool(getattr(settings, "DURABILITY_SEND_AHEAD", True))
         and connection.vendor == "postgresql"
         and c.durability in ("strict", "relaxed")
-        and not faults_armed()
         and not connection.in_atomic_block
     )
 
