@@ -194,11 +194,13 @@ class Commits:
 
     def close(self) -> None:
         """Take the last answer, count the commits, write the last latency nobody carried."""
-        self.ahead.close(self.run_id)
+        try:
+            self.ahead.close(self.run_id)  # a fault point may fire there ("after_commit")
+        finally:
+            self.snapshots.close()
         if self.agent:
             telemetry.commits_made(self.agent, self.uncounted)
             self.uncounted = 0
-        self.snapshots.close()
         if not (self.latency_unreported and self.prev_commit_us is not None):
             return
         try:

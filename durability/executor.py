@@ -292,8 +292,11 @@ class Execution(Stepping):
     def _gate(self) -> Settled:
         """For the step's context: the previous step's commit answered. The wait is the
         previous step's, not this one's: it is not charged to the step's timeout."""
+        ahead = self.commits.ahead
+        if ahead.pending is None:
+            return ahead.settle()
         with timeout_paused():
-            return self.commits.ahead.settle()
+            return ahead.settle()
 
     def _leave(self, write: Callable[[], Outcome]) -> Outcome:
         """The loop ends the execution itself: once the commit in flight is answered."""
