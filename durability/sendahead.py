@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +79,7 @@ class SendAhead:
         # The checkpoint the running step's operations hang from: None while its commit is
         # in flight (or after that commit failed).
         self.base_id: int | None = None
+        self._leaving = _Leaving(self)
 
     def sent(self, pending: InFlight) -> None:
         self.pending = pending
@@ -166,21 +166,11 @@ class SendAhead:
             return None
         return write()
 
-    @contextmanager
-    def leaving(self) -> Iterator[None]:
+    def leaving(self) -> _Leaving:
         """Around a step: however it ends, the commit in flight is answered first. A commit
         that failed outranks the step's exception (``LeaseLost``), except the process's own
         exit, which always goes on."""
-        try:
-            yield
-        except BaseException as exc:
-            if self.pending is not None:
-                try:
-                    self.settle()
-                except LeaseLost:
-                    if not isinstance(exc, SystemExit | KeyboardInterrupt):
-                        raise
-            raise
+        return self._leaving
 
     def close(self, run_id: Any) -> None:
         if self.pending is None:
@@ -190,3 +180,24 @@ class SendAhead:
         except (Exception, LeaseLost) as exc:
             # The outcome is decided; a commit that failed wrote nothing.
             log.warning("run %s: the last commit sent ahead did not land: %s", run_id, exc)
+
+
+class _Leaving:
+    """``SendAhead.leaving`` (a class, not a generator: it wraps every step)."""
+
+    __slots__ = ("ahead",)
+
+    def __init__(self, ahead: SendAhead) -> None:
+        self.ahead = ahead
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and self.ahead.pending is not None:
+            try:
+                self.ahead.settle()
+            except LeaseLost:
+                if not isinstance(exc, SystemExit | KeyboardInterrupt):
+                    raise
+        return False
