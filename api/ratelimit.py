@@ -8,12 +8,13 @@ import math
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
 from api.models import ApiToken
 from api.problems import Problem
+from durability.store import store
 
 
 def limits() -> tuple[int, float]:
@@ -30,11 +31,9 @@ def spend(token: ApiToken) -> None:
     cutoff = now - timedelta(seconds=window)
     fresh = Q(window_start__isnull=True) | Q(window_start__lte=cutoff)
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            # A count lost in a database crash only lets a few requests more through: it
-            # need not wait for the disk, on every request.
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        # A count lost in a database crash only lets a few requests more through: it need
+        # not wait for the disk, on every request.
+        store().unflushed_commit()
         counted = (
             ApiToken.objects.filter(pk=token.pk)
             .filter(fresh | Q(window_count__lt=allowed))

@@ -421,7 +421,7 @@ def profile(b: Bench) -> None:
         ("durability.canonical", "check_json"),
         ("durability.diff", "diff"),
         ("durability.diff", "apply"),
-        ("durability.executor", "_redact_changes"),
+        ("durability.checkpointing", "redact_changes"),
         ("durability.context", "__init__"),
         ("durability.checkpoints", "link"),
         ("durability.checkpoints", "submit"),

@@ -21,7 +21,7 @@ from django.db import IntegrityError, connection, transaction
 
 from durability import canonical, diff, inflight
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
-from durability.faults import fault, faults_armed
+from durability.faults import fault
 from durability.models import Checkpoint, Run, Snapshot
 from durability.store import reconnect, store
 from durability.store.base import write_checkpoint
@@ -251,14 +251,13 @@ def _facts(c: StepCommit) -> str:
 
 def can_send_ahead(c: StepCommit) -> bool:
     """Whether this commit may be sent without waiting for its answer: PostgreSQL, outside
-    any transaction of the caller's, no fault point armed (a test killing the process
-    "after the commit" needs it answered), and a level with nothing to wait for besides
-    the local flush (a replicated commit has its own timeout)."""
+    any transaction of the caller's, and a level with nothing to wait for besides the local
+    flush (a replicated commit has its own timeout). Fault points keep it: they fire where
+    a crash with a commit in flight would happen (``durability.sendahead``)."""
     return (
         bool(getattr(settings, "DURABILITY_SEND_AHEAD", True))
-        and connection.vendor == "postgresql"
+        and store().sends_ahead
         and c.durability in ("strict", "relaxed")
-        and not faults_armed()
         and not connection.in_atomic_block
     )
 

@@ -12,6 +12,12 @@ tests), ``raise`` (``FaultInjected``), ``exit`` (exit status 3) and ``hang`` (bl
 killed). A fault fires once: a marker file in ``DURABILITY_FAULT_DIR`` (default: the system
 temp dir) records that it fired, so the restarted worker passes the same point safely;
 ``"repeat": true`` makes it fire every time.
+
+Every point also knows whether a checkpoint commit sent ahead is in flight at that moment
+(``in_flight``: its statement on the wire, its answer not taken): ``when`` may ask for it,
+and the marker records it with the rest of the point's context, so a test can show that its
+crash happened with a commit in flight. The points fire where the production path reaches
+them, with commits sent ahead: "after the commit" is once its answer is in.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ POINTS = (
     "after_intent",  # an effect's intent is committed; the effect has not run
     "after_effect",  # the effect ran; its outcome is not recorded yet
     "after_spawn",  # a child run was created; the parent's step has not checkpointed
-    "in_commit",  # inside the checkpoint transaction, before COMMIT
-    "after_commit",  # the checkpoint committed; the worker has not moved on
+    # inside the checkpoint transaction, before COMMIT; sent ahead: made, not sent (with
+    # its parent's commit in flight if the step only computed)
+    "in_commit",
+    "after_commit",  # the checkpoint's answer is in (committed); the worker has not moved on
     "in_snapshot",  # writing a snapshot, after its checkpoint committed
     "suspended",  # the run was suspended (waiting for approval, a timer...)
     "before_ack",  # the task is done; Celery has not acknowledged the message
@@ -98,15 +106,24 @@ def fault(point: str, **context: Any) -> None:
     for spec in _parse(text):
         if spec["point"] != point:
             continue
+        if "in_flight" not in context:
+            context["in_flight"] = _commit_in_flight()
         when = spec.get("when") or {}
         if any(str(context.get(k)) != str(v) for k, v in when.items()):
             continue
-        if not _first_time(spec):
+        if not _first_time(spec, context):
             continue
         _act(spec.get("action", "kill"))
 
 
-def _first_time(spec: dict[str, Any]) -> bool:
+def _commit_in_flight() -> bool:
+    """Whether this thread has a commit sent ahead whose answer is not taken."""
+    from durability import inflight
+
+    return inflight.channel().busy
+
+
+def _first_time(spec: dict[str, Any], context: dict[str, Any]) -> bool:
     if spec.get("repeat"):
         return True
     folder = os.environ.get("DURABILITY_FAULT_DIR") or tempfile.gettempdir()
@@ -115,7 +132,9 @@ def _first_time(spec: dict[str, Any]) -> bool:
         fd = os.open(os.path.join(folder, f"fault-{name}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
-    os.write(fd, str(os.getpid()).encode())
+    record = {"point": spec["point"], "pid": os.getpid(), **{k: str(v) for k, v in context.items()}}
+    record["in_flight"] = bool(context.get("in_flight"))
+    os.write(fd, json.dumps(record).encode())
     os.fsync(fd)
     os.close(fd)
     return True

@@ -6,7 +6,7 @@ server's process has gone to sleep). Sending the statement, then preparing the n
 checkpoint while the server flushes, hides most of that wait (``bench.overhead``).
 
 What keeps it correct is the caller's rule, not this module: nothing the next step does
-may leave the process before the answer is in (see ``Execution._settle``).
+may leave the process before the answer is in (see ``durability.sendahead``).
 
 The statement goes over a connection of its own, one per thread, kept across executions,
 and driven through libpq's asynchronous calls as psycopg documents them (``psycopg.pq``):

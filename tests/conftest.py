@@ -83,6 +83,13 @@ class Faults:
     def fired(self) -> int:
         return len(list(self.markers.glob("fault-*"))) if self.markers.exists() else 0
 
+    def records(self) -> list[dict]:
+        """What each fault that fired saw: its point's context, including whether a commit
+        sent ahead was in flight (``in_flight``)."""
+        if not self.markers.exists():
+            return []
+        return [json.loads(p.read_text()) for p in sorted(self.markers.glob("fault-*"))]
+
     def clear(self) -> None:
         self.set()
 

@@ -14,6 +14,7 @@ from django.db import connection, connections
 
 from durability import END, Agent, RetryPolicy, operations, registry
 from durability.executor import Outcome, execute
+from durability.faults import SimulatedCrash
 from durability.models import Checkpoint, Event, EventKind, JournalEntry, RunStatus
 from durability.testing import drive, state_of
 
@@ -383,3 +384,58 @@ def test_leaving_the_process_waits_for_the_commit_in_flight_then_hands_the_run_b
     assert run.head_seq == 1 and run.status == RunStatus.QUEUED
     assert Event.objects.filter(run=run, kind=EventKind.RELEASED).exists()
     assert operations.verify(run.id)[0].ok
+
+
+def test_fault_points_keep_commits_sent_ahead_and_a_crash_there_has_one_in_flight(faults):
+    """A fault point does not switch sending ahead off: killed in the commit of a step that
+    only computed, the worker had its parent's commit in flight (the marker says so). That
+    one lands, this one was never sent; the re-run makes every checkpoint once."""
+    a = agent("x-ahead-crash")
+
+    @a.step(start=True)
+    def count(state, ctx):
+        state["n"] = state.get("n", 0) + 1
+        return "count" if state["n"] < 5 else END
+
+    faults.set({"point": "in_commit", "when": {"seq": 3, "in_flight": True}, "action": "crash"})
+    run = operations.start("x-ahead-crash", {})
+    with pytest.raises(SimulatedCrash):
+        execute(run.id, worker="test-worker")
+    [seen] = faults.records()
+    assert (seen["point"], seen["seq"], seen["in_flight"]) == ("in_commit", "3", True)
+    # The parent (#2) was in flight when the process "died": it landed; #3 was never sent.
+    assert list(Checkpoint.objects.filter(run=run).values_list("seq", flat=True)) == [0, 1, 2]
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    seqs = Checkpoint.objects.filter(run=run).order_by("seq").values_list("seq", flat=True)
+    assert list(seqs) == [0, 1, 2, 3, 4, 5]
+    assert state_of(run.id) == {"n": 5}
+    assert operations.verify(run.id)[0].ok
+
+
+def test_after_the_commit_means_once_its_answer_is_in(side, faults):
+    """A commit sent ahead: "after the commit" fires when the next step's call waits for its
+    answer, not before; the call has not run, and the re-run makes it once."""
+
+    ran: list[int] = []
+
+    def second(state, ctx):
+        if not ran:  # the first time, with the first step's commit held back
+            ran.append(1)
+            wait_for_blocked_commit(side)
+            side.rollback()
+        ctx.call("after", tool, "after")
+        state["n"] += 1
+        return END
+
+    locked_first("x-ahead-after-commit", side, second)
+    faults.set({"point": "after_commit", "when": {"seq": 1}, "action": "crash"})
+    run = operations.start("x-ahead-after-commit", {})
+    with pytest.raises(SimulatedCrash):
+        execute(run.id, worker="test-worker")
+    [seen] = faults.records()
+    assert (seen["seq"], seen["step"], seen["in_flight"]) == ("1", "first", False)
+    assert CALLS["after"] == 0
+    assert Checkpoint.objects.filter(run=run, seq=1).exists()
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert CALLS["after"] == 1 and state_of(run.id) == {"n": 2}

@@ -111,6 +111,26 @@ def test_every_run_finishes_after_sigkill_and_nothing_runs_twice(
     alive_workers(running)
 
 
+def test_sigkill_with_a_commit_in_flight_loses_nothing_and_repeats_nothing(
+    running, llm, effects, cluster_faults
+):
+    # The worker dies as the step after checkpoint #4 starts, #4's commit sent and not
+    # answered (the marker records it): the server decides its fate, the run goes on from it.
+    cluster_faults.set(
+        {"point": "before_step", "when": {"seq": 4, "in_flight": True}, "action": "kill"}
+    )
+    run = operations.start("test-loop", {"n": 6, "effects": True})
+    done = finished(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    [seen] = cluster_faults.records()
+    assert (seen["point"], seen["in_flight"]) == ("before_step", True)
+    assert Event.objects.filter(run=run, kind=EventKind.RECOVERED).count() == 1
+    assert_each_prompt_once(llm, 6)
+    assert len(effects.requests) == 6 and set(effects.requests.values()) == {1}
+    assert operations.verify(run.id)[0].ok
+    alive_workers(running)
+
+
 def test_an_effect_whose_worker_died_mid_call_is_in_doubt_until_resolved(
     running, llm, effects, cluster_faults
 ):

@@ -103,6 +103,9 @@ class Store:
     session_locks = False
     # Whether the runs' input has a trigram index for text search (``text_page``).
     indexed_text_search = False
+    # Whether a step's commit can be sent on a channel of its own and its answer taken
+    # later (``durability.sendahead``): the next step computes meanwhile.
+    sends_ahead = False
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -284,6 +287,15 @@ class Store:
 
     def repeatable_read(self) -> None:
         """First in a transaction: every query of it reads one snapshot of the database."""
+
+    def unflushed_commit(self) -> None:
+        """Inside a transaction: its commit need not wait for the disk (a count that a crash
+        may lose, such as a rate limit's). Where commits cost no flush wait, nothing."""
+
+    def cancel_cut_short(self) -> None:
+        """After a signal interrupted a query while it waited for its answer: cancel that
+        query on the server and close the session, so the next use opens a new one. Where
+        the database is in-process there is no such query."""
 
     def existing_runs(self, ids: Iterable[Any]) -> set[Any]:
         """Of ``ids``, the runs that exist, locked as a foreign key would lock them."""

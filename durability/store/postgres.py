@@ -151,6 +151,7 @@ class PostgresStore(Store):
     snapshots_on_thread = True
     session_locks = True
     indexed_text_search = True
+    sends_ahead = True
 
     # --- the step commit -----------------------------------------------------------------
 
@@ -378,6 +379,22 @@ class PostgresStore(Store):
         # READ COMMITTED takes a new snapshot per statement.
         with self.conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+
+    def unflushed_commit(self) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute("SET LOCAL synchronous_commit TO OFF")
+
+    def cancel_cut_short(self) -> None:
+        # psycopg cancels a query only on KeyboardInterrupt and SystemExit; any other
+        # exception leaves the session busy ("another command is already in progress").
+        raw = self.conn.connection
+        if raw is None or raw.pgconn.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:
+            return
+        try:
+            raw.cancel_safe(timeout=2.0)
+        except Exception as exc:  # the close below ends the session either way
+            log.warning("could not cancel the query a shutdown cut short: %s", exc)
+        self.conn.close()
 
     def existing_runs(self, ids: Iterable[Any]) -> set[Any]:
         # Locked as a foreign key would lock them (FOR KEY SHARE): a delete waits for the
