@@ -15,10 +15,10 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, InterfaceError, OperationalError, connection
 
-from durability import canonical, checkpoints, inflight, telemetry
+from durability import checkpoints, events, inflight, telemetry
 from durability.checkpoints import Head, SnapshotWriter, StepCommit
 from durability.errors import FencedOut, LeaseLost
-from durability.models import Event, EventKind, Run
+from durability.models import Run
 from durability.sendahead import InFlight, SendAhead, Settled
 
 log = logging.getLogger(__name__)
@@ -146,13 +146,8 @@ class Commits:
                 continue
 
     def report_failed(self, seq: int) -> None:
-        Event.objects.create(
-            run_id=self.run_id,
-            kind=EventKind.COMMIT_FAILED,
-            seq=seq,
-            worker=self.worker,
-            data=canonical.dumps({"failed_commits": self.failed}).decode(),
-        )
+        at = {"seq": seq, "worker": self.worker}
+        events.record(events.commit_failed(self.run_id, failed_commits=self.failed, **at))
         self.failed = 0
 
     @staticmethod
@@ -204,14 +199,10 @@ class Commits:
         if not (self.latency_unreported and self.prev_commit_us is not None):
             return
         try:
-            Event.objects.create(
-                run_id=self.run_id,
-                kind=EventKind.COMMIT_LATENCY,
-                # Not the head's: a last commit that failed is the head in memory.
-                seq=self.latency_seq,
-                worker=self.worker,
-                commit_us=self.prev_commit_us,
-            )
+            # At the latency's own seq, not the head's: a last commit that failed is the
+            # head in memory.
+            at = {"seq": self.latency_seq, "worker": self.worker}
+            events.record(events.commit_latency(self.run_id, commit_us=self.prev_commit_us, **at))
         except DB_DOWN:
             connection.close()
         except IntegrityError:  # the run was deleted under us: nothing left to report on

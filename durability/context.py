@@ -101,6 +101,10 @@ class Context(Effects, Waits):
 
     # --- identity ---------------------------------------------------------------------------
 
+    def _here(self) -> dict[str, Any]:
+        """Where this step is, for the timeline events it writes (``durability.events``)."""
+        return {"seq": self.seq, "step": self.step, "worker": self.worker}
+
     def _settled(self, *, durable: bool = False) -> Settled:
         """The gate every operation that leaves the process goes through: the previous
         step's commit is answered (``SendAhead.settle``), and the proof carries the base

@@ -17,7 +17,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durability import canonical, dispatch, telemetry
+from durability import canonical, dispatch, events, telemetry
 from durability import rollbacks as rollbacks
 from durability.errors import EffectFailed, Suspend, Transient
 from durability.faults import fault
@@ -261,21 +261,8 @@ class Effects:
         """Record the abandoned effect's outcome as this one's, performing nothing."""
 
         def reused(rec: Effect) -> None:
-            Event.objects.create(
-                run_id=self.run_id,
-                kind=EventKind.EFFECT_REUSED,
-                seq=self.seq,
-                step=self.step,
-                worker=self.worker,
-                data=canonical.dumps(
-                    {
-                        "effect": rec.pk,
-                        "from": old.pk,
-                        "idempotency_key": old.idempotency_key,
-                        "key": key,
-                    }
-                ).decode(),
-            )
+            reuse = {"effect": rec.pk, "source": old.pk, "idempotency_key": old.idempotency_key}
+            events.record(events.effect_reused(self.run_id, key=key, **reuse, **self._here()))
 
         self._new_effect(
             proof,
@@ -319,24 +306,19 @@ class Effects:
             if not Event.objects.filter(
                 run_id=self.run_id, kind=EventKind.COMPENSATED, data__contains=marker
             ).exists():
-                Event.objects.create(
-                    run_id=self.run_id,
-                    kind=EventKind.COMPENSATED,
-                    seq=self.seq,
-                    step=self.step,
-                    worker=self.worker,
-                    reason=f"{old.label or rollbacks.describe(old.key, [args, kwargs])} undone",
-                    data=canonical.dumps(
-                        {
-                            "compensation": done.pk,
-                            "effect": old.pk,
-                            "function": old.compensate,
-                            "idempotency_key": done.idempotency_key,
-                            "key": old.key,
-                            "result": value,
-                        }
-                    ).decode(),
+                compensation = {
+                    "compensation": done.pk,
+                    "effect": old.pk,
+                    "function": old.compensate,
+                    "idempotency_key": done.idempotency_key,
+                    "key": old.key,
+                    "result": value,
+                }
+                what = old.label or rollbacks.describe(old.key, [args, kwargs])
+                made = events.compensated(
+                    self.run_id, what=what, compensation=compensation, **self._here()
                 )
+                events.record(made)
 
     def _would_run(
         self,
@@ -479,16 +461,8 @@ class Effects:
             if rec.status != EffectStatus.IN_DOUBT:
                 telemetry.count("in_doubt")
                 telemetry.note("effect.in_doubt", key=key, idempotency_key=rec.idempotency_key)
-                Event.objects.create(
-                    run_id=self.run_id,
-                    kind=EventKind.EFFECT_IN_DOUBT,
-                    seq=self.seq,
-                    step=self.step,
-                    worker=self.worker,
-                    data=canonical.dumps(
-                        {"effect": effect_id, "key": key, "idempotency_key": rec.idempotency_key}
-                    ).decode(),
-                )
+                doubt = {"effect": effect_id, "idempotency_key": rec.idempotency_key}
+                events.record(events.effect_in_doubt(self.run_id, key=key, **doubt, **self._here()))
 
         def resolved() -> bool:
             return (

@@ -129,7 +129,18 @@ def message_received(
     return new(run, EventKind.MESSAGE_RECEIVED, by=by, reason=reason, data=data)
 
 
-# --- the sweeper ------------------------------------------------------------------------------
+# --- claims and the sweeper ------------------------------------------------------------------
+
+
+def claimed(run: Run, *, worker: str) -> Event:
+    return new(run, EventKind.CLAIMED, worker=worker, data={"attempt": run.attempts})
+
+
+def recovered(
+    run: Run, *, worker: str, recovery_ms: float | None, work_lost_ms: float | None
+) -> Event:
+    data = {"recovery_ms": recovery_ms, "work_lost_ms": work_lost_ms, "attempt": run.attempts}
+    return new(run, EventKind.RECOVERED, worker=worker, data=data)
 
 
 def lease_lost(run_id: Any, *, worker: str, why: str, heartbeat: Any) -> Event:
@@ -177,3 +188,67 @@ def released(run: Any, *, why: str, **at: Any) -> Event:
 
 def succeeded(run: Any, **at: Any) -> Event:
     return new(run, EventKind.SUCCEEDED, **at)
+
+
+# --- what a step did (``at``: seq, step and worker) --------------------------------------------
+
+
+def checkpoint(run: Any, *, data: str, commit_us: int | None, **at: Any) -> Event:
+    """A step's checkpoint; ``data``: its facts, already encoded; ``commit_us``: the latency
+    of the commit before it (known only now when that one was sent ahead)."""
+    return new(run, EventKind.CHECKPOINT, data=data, commit_us=commit_us, **at)
+
+
+def diverged(run: Any, *, key: str, source: Any, **at: Any) -> Event:
+    return new(run, EventKind.DIVERGED, data={"key": key, "source": str(source)}, **at)
+
+
+def effect_reused(
+    run: Any, *, effect: int, source: int, idempotency_key: str, key: str, **at: Any
+) -> Event:
+    data = {"effect": effect, "from": source, "idempotency_key": idempotency_key, "key": key}
+    return new(run, EventKind.EFFECT_REUSED, data=data, **at)
+
+
+def compensated(run: Any, *, what: str, compensation: dict, **at: Any) -> Event:
+    """``compensation``: the compensating effect and the effect it undid (ids, function,
+    keys, result); ``what``: the undone effect in the customer's words."""
+    return new(run, EventKind.COMPENSATED, reason=f"{what} undone", data=compensation, **at)
+
+
+def effect_in_doubt(run: Any, *, effect: int, key: str, idempotency_key: str, **at: Any) -> Event:
+    data = {"effect": effect, "key": key, "idempotency_key": idempotency_key}
+    return new(run, EventKind.EFFECT_IN_DOUBT, data=data, **at)
+
+
+def message_consumed(run: Any, *, name: str, message: int, **at: Any) -> Event:
+    return new(run, EventKind.MESSAGE_CONSUMED, data={"name": name, "message": message}, **at)
+
+
+def approval_requested(run: Any, *, name: str, payload_bytes: int, **at: Any) -> Event:
+    data = {"name": name, "payload_bytes": payload_bytes}
+    return new(run, EventKind.APPROVAL_REQUESTED, data=data, **at)
+
+
+def alarm(run: Any, *, why: str, **at: Any) -> Event:
+    return new(run, EventKind.ALARM, reason=why, **at)
+
+
+def commit_failed(run: Any, *, failed_commits: int, **at: Any) -> Event:
+    return new(run, EventKind.COMMIT_FAILED, data={"failed_commits": failed_commits}, **at)
+
+
+def commit_latency(run: Any, *, commit_us: int, **at: Any) -> Event:
+    """The latency of an execution's last commit, which no later checkpoint event carries."""
+    return new(run, EventKind.COMMIT_LATENCY, commit_us=commit_us, **at)
+
+
+# --- retention --------------------------------------------------------------------------------
+
+
+def legal_hold(run: Run, *, by: str, reason: str, on: bool) -> Event:
+    return new(run, EventKind.HOLD, by=by, reason=reason, data={"hold": on})
+
+
+def compacted(run: Run, *, removed: int) -> Event:
+    return new(run, EventKind.COMPACTED, by="retention", data={"removed": removed})

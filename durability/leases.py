@@ -34,12 +34,11 @@ from django.db import DatabaseError, transaction
 from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, When
 from django.db.models.functions import Coalesce, Now
 
-from durability import lifecycle
+from durability import events, lifecycle
 from durability.models import (
     TIMED_WAITS,
     Checkpoint,
     Event,
-    EventKind,
     Run,
     RunStatus,
 )
@@ -232,24 +231,15 @@ def _claimed(run_id: Any, worker: str) -> Claim:
     """After the claim's UPDATE, in its transaction: its events, and the claim."""
     run = Run.objects.get(pk=run_id)
     recovered = run.lost_heartbeat_at is not None
-    events = [
-        Event(
-            run=run,
-            kind=EventKind.CLAIMED,
-            seq=run.head_seq,
-            step=run.step,
-            worker=worker,
-            data=f'{{"attempt":{run.attempts}}}',
-        )
-    ]
+    made = [events.claimed(run, worker=worker)]
     figures: dict[str, float | None] = {}
     lost_at = run.lost_heartbeat_at
     if recovered:
         event, figures = _recovered_event(run, worker)
-        events.append(event)
+        made.append(event)
         Run.objects.filter(pk=run_id).update(lost_heartbeat_at=None)
         run.lost_heartbeat_at = None
-    Event.objects.bulk_create(events)
+    events.record(*made)
     return Claim(
         run=run,
         token=run.lease_token,
@@ -285,7 +275,6 @@ def _over_concurrency(run_id: Any) -> str:
 def _recovered_event(run: Run, worker: str) -> tuple[Event, dict[str, float | None]]:
     """Recovery time runs from the lost attempt's last sign of life to this claim; work
     lost from the last checkpoint to that same moment."""
-    from durability import canonical
 
     lost_at = run.lost_heartbeat_at
     claimed_at = run.claimed_at
@@ -296,15 +285,7 @@ def _recovered_event(run: Run, worker: str) -> tuple[Event, dict[str, float | No
     )
     recovery_ms = max(0.0, (claimed_at - lost_at).total_seconds() * 1000) if lost_at else None
     lost_ms = max(0.0, (lost_at - head_at).total_seconds() * 1000) if lost_at and head_at else None
-    data = {"recovery_ms": recovery_ms, "work_lost_ms": lost_ms, "attempt": run.attempts}
-    event = Event(
-        run=run,
-        kind=EventKind.RECOVERED,
-        seq=run.head_seq,
-        step=run.step,
-        worker=worker,
-        data=canonical.dumps(data).decode(),
-    )
+    event = events.recovered(run, worker=worker, recovery_ms=recovery_ms, work_lost_ms=lost_ms)
     return event, {"recovery_ms": recovery_ms, "work_lost_ms": lost_ms}
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from durability import canonical
+from durability import canonical, events
 from durability.models import (
     AbandonedEffect,
     Approval,
@@ -148,14 +148,8 @@ class WhatIf:
         if self._diverged:
             return
         self._diverged = True
-        Event.objects.create(
-            run_id=self.run_id,
-            kind=EventKind.DIVERGED,
-            seq=ctx.seq,
-            step=ctx.step,
-            worker=ctx.worker,
-            data=canonical.dumps({"key": key, "source": str(self.source_id)}).decode(),
-        )
+        at = {"seq": ctx.seq, "step": ctx.step, "worker": ctx.worker}
+        events.record(events.diverged(self.run_id, key=key, source=self.source_id, **at))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from durability import blobs, canonical, checkpoints
+from durability import blobs, checkpoints, events
 from durability.agents import registry
 from durability.errors import IntegrityViolation
 from durability.integrity import verify_run
@@ -40,8 +40,6 @@ from durability.models import (
     Approval,
     Checkpoint,
     Effect,
-    Event,
-    EventKind,
     JournalEntry,
     Message,
     Mutation,
@@ -268,23 +266,17 @@ def _compact(run: Run, removable: list[int]) -> bool:
                 f"compaction would break checkpoint #{report.first_bad[0]}: rolled back",
                 run_id=run.id,
             )
-        Event.objects.create(
-            run=run,
-            kind=EventKind.COMPACTED,
-            seq=run.head_seq,
-            actor="retention",
-            data=canonical.dumps({"removed": len(gone)}).decode(),
-        )
+        events.record(events.compacted(run, removed=len(gone)))
     return True
 
 
 def hold(ref: Any, *, on: bool = True, by: str = "", reason: str = "") -> Run:
     """Put a run on legal hold (never pruned or compacted) or release it."""
-    from durability.operations import _event, _locked
+    from durability.operations import _locked
 
     with transaction.atomic():
         run = _locked(ref)
         Run.objects.filter(pk=run.pk).update(legal_hold=on)
         run.legal_hold = on
-        _event(run, EventKind.HOLD, by=by, reason=reason, data={"hold": on})
+        events.record(events.legal_hold(run, by=by, reason=reason, on=on))
     return run

@@ -16,15 +16,13 @@ from django.db import transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durability import approvals, canonical, telemetry
+from durability import approvals, canonical, events, telemetry
 from durability.errors import Suspend
 from durability.faults import fault
 from durability.models import (
     Approval,
     ApprovalStatus,
     CallKind,
-    Event,
-    EventKind,
     JournalEntry,
     Message,
     Run,
@@ -128,14 +126,10 @@ class Waits:
                 Message.objects.filter(pk=message.pk).update(
                     consumed_base_id=proof.base_id, consumed_occurrence=occ, consumed_at=Now()
                 )
-                Event.objects.create(
-                    run_id=self.run_id,
-                    kind=EventKind.MESSAGE_CONSUMED,
-                    seq=self.seq,
-                    step=self.step,
-                    worker=self.worker,
-                    data=canonical.dumps({"name": name, "message": message.pk}).decode(),
+                consumed = events.message_consumed(
+                    self.run_id, name=name, message=message.pk, **self._here()
                 )
+                events.record(consumed)
         if message is not None:
             self._records.messages[(name, occ)] = message
             return canonical.loads(message.data)
@@ -319,14 +313,9 @@ class Waits:
                 deadline=timezone.now() + timedelta(seconds=timeout) if timeout else None,
                 **policy,
             )
-            Event.objects.create(
-                run_id=run_id,
-                kind=EventKind.APPROVAL_REQUESTED,
-                seq=seq,
-                step=step,
-                worker=worker,
-                data=canonical.dumps({"name": name, "payload_bytes": len(data)}).decode(),
-            )
+            at = {"seq": seq, "step": step, "worker": worker}
+            asked = events.approval_requested(run_id, name=name, payload_bytes=len(data), **at)
+            events.record(asked)
 
         return ask
 

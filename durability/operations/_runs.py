@@ -9,7 +9,7 @@ from typing import Any
 
 from django.conf import settings
 
-from durability import canonical, checkpoints, events
+from durability import canonical, checkpoints
 from durability.errors import InvalidInput, Stale, StateTooLarge, UnknownCheckpoint, UnknownRun
 from durability.integrity import Report, verify_run
 from durability.models import Checkpoint, Event, Run
@@ -75,12 +75,6 @@ def state_at(ref: Any, seq: int | None = None) -> Any:
     cp = _checkpoint_of(run, run.head_seq if seq is None else seq)
     state, _, _ = checkpoints.verified_state(cp)
     return state
-
-
-def _event(run: Run, kind: str, *, by: str, reason: str, data: Any = None, seq=None) -> Event:
-    """An event of a kind ``durability.events`` has no function for, recorded."""
-    event = events.new(run, kind, by=by, reason=reason, data=data, seq=seq)
-    return events.record(event)[0]
 
 
 def _encoded(value: Any, what: str, limit_setting: str, default: int) -> bytes:

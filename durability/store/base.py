@@ -17,7 +17,7 @@ from django.db.models import Exists, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from durability import lifecycle
+from durability import events, lifecycle
 from durability.models import (
     Checkpoint,
     CheckpointReason,
@@ -196,11 +196,11 @@ class Store:
         return bool(fenced.filter(Exists(is_head)).update(**fields))
 
     def _commit_events(self, c: StepCommit, seq: int, data: str) -> None:
-        common = {"run_id": c.run_id, "seq": seq, "step": c.step, "worker": c.worker}
-        events = [Event(kind=EventKind.CHECKPOINT, data=data, commit_us=c.prev_commit_us, **common)]
+        at = {"seq": seq, "step": c.step, "worker": c.worker}
+        made = [events.checkpoint(c.run_id, data=data, commit_us=c.prev_commit_us, **at)]
         if c.finished:
-            events.append(Event(kind=EventKind.SUCCEEDED, data=c.ending, **common))
-        Event.objects.bulk_create(events, run_checked=True)  # the fenced UPDATE locked it
+            made.append(events.succeeded(c.run_id, data=c.ending, **at))
+        Event.objects.bulk_create(made, run_checked=True)  # the fenced UPDATE locked it
 
     # --- reading checkpoints and the journal ----------------------------------------------
 

@@ -15,9 +15,9 @@ from django.db import OperationalError, transaction
 from django.db.models import Aggregate, BooleanField, Count, FloatField, Q
 from django.db.models.expressions import RawSQL
 
-from durability import inflight, lifecycle, redact
+from durability import events, inflight, lifecycle, redact
 from durability.faults import faults_armed
-from durability.models import Event, EventKind, JournalEntry
+from durability.models import EventKind, JournalEntry
 from durability.store import pg_sql
 from durability.store.base import RunLock, Store
 from durability.store.reconnect import drop
@@ -235,14 +235,9 @@ class PostgresStore(Store):
         with transaction.atomic(using=self.conn.alias):
             with self.conn.cursor() as cur:  # the alarm must not wait for that standby
                 cur.execute("SET LOCAL synchronous_commit = local")
-            Event.objects.create(
-                run_id=c.run_id,
-                kind=EventKind.ALARM,
-                seq=c.head.seq + 1,
-                step=c.step,
-                worker=c.worker,
-                reason="the synchronous standby did not confirm the commit in time",
-            )
+            why = "the synchronous standby did not confirm the commit in time"
+            at = {"seq": c.head.seq + 1, "step": c.step, "worker": c.worker}
+            events.record(events.alarm(c.run_id, why=why, **at))
 
     def bind_step(self, c: StepCommit, data: str) -> inflight.Bound:
         return inflight.channel().bind(statement(c), params(c, data, raw=True))
