@@ -8,14 +8,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.db import InterfaceError, OperationalError, connection
-
 from durability import dispatch, leases, telemetry
 from durability.models import Event, EventKind, Run, RunStatus
+from durability.store import reconnect
 
 log = logging.getLogger(__name__)
 
-DB_DOWN = (OperationalError, InterfaceError)
+DB_DOWN = reconnect.DB_DOWN
 
 
 BUSY_RETRY_SECONDS = 0.5
@@ -38,7 +37,7 @@ def ring_again_if_handed_back(run_id: Any) -> None:
             rung_at__gte=leases.db_now_plus(-BUSY_RING_WINDOW_SECONDS),
         ).exists()
     except DB_DOWN:
-        connection.close()
+        reconnect.drop()
         return
     if handed_back:
         dispatch.ring(run_id, delay=BUSY_RETRY_SECONDS)
@@ -50,7 +49,7 @@ def free_slot(agent: str) -> None:
     try:
         waiting = next_in_line(agent)
     except DB_DOWN:
-        connection.close()  # the parked run's wake_at brings it back anyway
+        reconnect.drop()  # the parked run's wake_at brings it back anyway
         return
     if waiting is not None:
         dispatch.ring(waiting)
@@ -62,7 +61,7 @@ def tell_parent(run_id: Any) -> None:
     try:
         wake_parent(Run.objects.get(pk=run_id))
     except DB_DOWN:
-        connection.close()  # the sweeper delivers the wake-up instead
+        reconnect.drop()  # the sweeper delivers the wake-up instead
 
 
 def trace_claim(claim: leases.Claim, span: Any) -> None:

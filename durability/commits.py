@@ -12,18 +12,18 @@ import logging
 import time
 from typing import Any
 
-from django.conf import settings
-from django.db import IntegrityError, InterfaceError, OperationalError, connection
+from django.db import IntegrityError
 
 from durability import checkpoints, events, inflight, telemetry
 from durability.checkpoints import Head, SnapshotWriter, StepCommit
 from durability.errors import FencedOut, LeaseLost
 from durability.models import Run
 from durability.sendahead import InFlight, SendAhead, Settled
+from durability.store import reconnect
 
 log = logging.getLogger(__name__)
 
-DB_DOWN = (OperationalError, InterfaceError)
+DB_DOWN = reconnect.DB_DOWN
 
 
 class Commits:
@@ -153,27 +153,7 @@ class Commits:
     @staticmethod
     def wait_for_database() -> bool:
         """Poll until the database answers again (True) or the wait is too long (False)."""
-        give_up = time.monotonic() + float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
-        delay = 0.05
-        try:
-            # Only the commit's own session may have failed: this one is kept if it still
-            # answers.
-            with connection.cursor() as cur:
-                cur.execute("SELECT 1")
-            return True
-        except DB_DOWN:
-            pass
-        while time.monotonic() < give_up:
-            connection.close()
-            try:
-                with connection.cursor() as cur:
-                    cur.execute("SELECT 1")
-                return True
-            except DB_DOWN:
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        connection.close()
-        return False
+        return reconnect.wait_for_database()
 
     def still_ours(self, head_seq: int | None) -> bool:
         """After the database was away: the lease is still ours, and the head we hold in
@@ -204,6 +184,6 @@ class Commits:
             at = {"seq": self.latency_seq, "worker": self.worker}
             events.record(events.commit_latency(self.run_id, commit_us=self.prev_commit_us, **at))
         except DB_DOWN:
-            connection.close()
+            reconnect.drop()
         except IntegrityError:  # the run was deleted under us: nothing left to report on
             pass

@@ -9,7 +9,6 @@ arguments raises ``NonDeterminismError`` rather than return the wrong result.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,24 +35,13 @@ if TYPE_CHECKING:
 
 def outcome_recorded[T](write: Callable[[], T]) -> T:
     """``write()``, which records what this process holds (a call's result, an effect's
-    start or outcome), retried with backoff while the database is away, for up to
-    ``DURABILITY_DB_WAIT_SECONDS``. A worker that can still record an outcome does: it is
-    never asked for again, or left pending for an operator to call "in doubt". Every write
-    passed here is safe to repeat (insert-if-absent, conditional updates)."""
-    from django.conf import settings
-    from django.db import InterfaceError, OperationalError, connection
+    start or outcome), retried while the database is away (``store.reconnect``). A worker
+    that can still record an outcome does: it is never asked for again, or left pending for
+    an operator to call "in doubt". Every write passed here is safe to repeat
+    (insert-if-absent, conditional updates)."""
+    from durability.store import reconnect
 
-    give_up = time.monotonic() + float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
-    delay = 0.05
-    while True:
-        try:
-            return write()
-        except (OperationalError, InterfaceError):
-            if connection.in_atomic_block or time.monotonic() >= give_up:
-                raise
-            connection.close()  # a new session at the next try
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+    return reconnect.retrying(write)
 
 
 def function_name(fn: Callable) -> str:

@@ -22,19 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
 from durability import checkpoints, telemetry
 from durability.checkpoints import Head, StepCommit
 from durability.errors import Abandon, FencedOut, LeaseLost
 from durability.faults import fault
+from durability.store import reconnect
 
 if TYPE_CHECKING:
     from durability.commits import Commits
 
 log = logging.getLogger(__name__)
 
-DB_DOWN = (OperationalError, InterfaceError)
+DB_DOWN = reconnect.DB_DOWN
 
 _GATE = object()
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
 from durability import canonical, checkpoints, telemetry
 from durability.agents import Ending
@@ -32,11 +32,11 @@ from durability.errors import (
     Suspend,
 )
 from durability.models import Checkpoint
-from durability.store import store
+from durability.store import reconnect, store
 
 log = logging.getLogger(__name__)
 
-DB_DOWN = (OperationalError, InterfaceError)
+DB_DOWN = reconnect.DB_DOWN
 
 AGAIN = object()  # run the same step again from its base (see Stepping._attempt)
 

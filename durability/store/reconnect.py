@@ -53,4 +53,24 @@ def retrying[T](
             delay = min(delay * 2, 1.0)
 
 
-__all__ = ["DB_DOWN", "drop", "retrying", "wait_seconds"]
+def wait_for_database(conn: Any = None) -> bool:
+    """After a failure: True as soon as the database answers again (on this session if it
+    still answers: only another session may have failed), False once the wait is longer
+    than ``DURABILITY_DB_WAIT_SECONDS``."""
+    conn = conn or _default
+    give_up = time.monotonic() + wait_seconds()
+    delay = 0.05
+    while True:
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT 1")
+            return True
+        except DB_DOWN:
+            drop(conn)
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+__all__ = ["DB_DOWN", "drop", "retrying", "wait_for_database", "wait_seconds"]
