@@ -1,0 +1,491 @@
+"""``DurableSaver``: LangGraph's ``BaseCheckpointSaver`` on this product's store.
+
+Each namespace of a thread is a run of the graph (a subgraph's namespace a child run), each
+LangGraph checkpoint one of the run's checkpoints: a patch on its parent, hash-chained,
+verifiable with ``durability verify``. The async methods run the sync ones in a thread
+on the saver's own thread, as every call does: one database connection per saver,
+whichever threads LangGraph calls it from, closed by ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from django.db import connection, transaction
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    SerializerProtocol,
+    get_checkpoint_id,
+    get_checkpoint_metadata,
+    writes_sort_key,
+)
+
+from durability import canonical, checkpoints
+from durability.langgraph import codec, reader, store
+from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.models import Checkpoint as StoredCheckpoint
+from durability.models import Run
+
+T = TypeVar("T")
+
+
+def _shut(worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter) -> None:
+    """Close a saver's snapshot thread, database connection and thread (``close``; also
+    when the saver is garbage-collected, and at exit)."""
+    snapshots.close()
+    worker.submit(lambda: connection.close()).result()
+    worker.shutdown()
+
+
+class DurableSaver(BaseCheckpointSaver[int]):
+    """A LangGraph checkpointer on this product's store::
+
+        graph = builder.compile(checkpointer=DurableSaver())
+
+    ``graph`` names the runs its threads show up as (one saver per graph name)."""
+
+    def __init__(self, *, graph: str = "agent", serde: SerializerProtocol | None = None) -> None:
+        super().__init__(serde=serde)
+        if not graph or len(graph) > 200:
+            raise ValueError("graph must be a name of 1 to 200 characters")
+        self.graph = graph
+        self._lock = threading.RLock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-saver")
+        self._worker_thread: threading.Thread | None = None
+        self._threads: dict[tuple[str, str], Thread] = {}
+        # Per thread row: the checkpoint last stored or read (the next one is patched on
+        # it), the run's last known head number, and the encoder that remembers messages.
+        self._last: dict[int, store.Stored] = {}
+        self._head_seq: dict[int, int] = {}
+        self._encoders: dict[int, codec.Encoder] = {}
+        self._snapshots = checkpoints.SnapshotWriter()
+        self._closer = weakref.finalize(self, _shut, self._worker, self._snapshots)
+
+    # --- writing -------------------------------------------------------------------------
+
+    def _put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        conf = config["configurable"]
+        thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
+        parent_id = conf.get("checkpoint_id") or ""
+        with self._lock:
+            thread = self._thread(thread_id, ns, create=True)
+            assert thread is not None
+            parent = self._parent(thread, parent_id)
+            encoder = self._encoders.setdefault(thread.pk, codec.Encoder(self.serde))
+            fields = dict(checkpoint)
+            values = fields.pop("channel_values")
+            md = get_checkpoint_metadata(config, metadata)
+            doc = {
+                "checkpoint": codec.Encoder(self.serde).encode(fields),
+                "values": encoder.encode(values),
+                "metadata": codec.Encoder(self.serde).encode(md),
+            }
+            new = store.NewCheckpoint(
+                thread=thread,
+                parent=parent,
+                seq=self._seq(thread) + 1,
+                lg_id=checkpoint["id"],
+                parent_lg_id=parent_id,
+                doc=doc,
+                metadata=doc["metadata"],
+                step=f"{md.get('source', '')} {md.get('step', '')}".strip(),
+            )
+            saved = store.commit(new, self._snapshots)
+            self._last[thread.pk] = saved
+            self._head_seq[thread.pk] = saved.seq
+        return {
+            "configurable": {
+                "thread_id": thread_id,
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint["id"],
+            }
+        }
+
+    def _put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        if not writes:
+            return
+        conf = config["configurable"]
+        thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
+        checkpoint_id = conf["checkpoint_id"]
+        encoder = codec.Encoder(self.serde)
+        rows = [
+            (WRITES_IDX_MAP.get(channel, idx), channel, canonical.dumps(encoder.encode(value)))
+            for idx, (channel, value) in enumerate(writes)
+        ]
+        replace = all(channel in WRITES_IDX_MAP for channel, _ in writes)
+        with self._lock:
+            thread = self._thread(thread_id, ns, create=True)
+            assert thread is not None
+            store.put_writes(thread, checkpoint_id, task_id, task_path, rows, replace=replace)
+
+    def get_next_version(self, current: int | None, channel: None = None) -> int:
+        """Integer versions: each checkpoint keeps its own channel values, so versions need
+        no random part to tell two branches' values apart, and small numbers keep patches
+        small."""
+        if current is None:
+            return 1
+        if isinstance(current, str):  # a thread written by another saver
+            return int(current.split(".")[0]) + 1
+        return int(current) + 1
+
+    # --- reading -------------------------------------------------------------------------
+
+    def _get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        conf = config["configurable"]
+        thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
+        wanted = get_checkpoint_id(config)
+        with self._lock:
+            thread = self._thread(thread_id, ns, create=False)
+            if thread is None:
+                return None
+            rows = SavedCheckpoint.objects.filter(thread=thread)
+            rows = rows.filter(lg_id=wanted) if wanted else rows.order_by("-lg_id")
+            row = rows.values_list("checkpoint_id", "lg_id", "lg_parent_id").first()
+            if row is None:
+                return None
+            cp_id, lg_id, lg_parent = row
+            last = self._last.get(thread.pk)
+            if last is None or last.id != cp_id:
+                last = store.stored(thread, lg_id)
+                if last is None:  # deleted meanwhile
+                    return None
+                self._last[thread.pk] = last
+            writes = self._writes(thread, [lg_id]).get(lg_id, [])
+            return self._tuple(thread, lg_id, lg_parent, last.doc, writes)
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        yield from self._call(self._listed, config, filter, before, limit)
+
+    def _listed(
+        self,
+        config: RunnableConfig | None,
+        filter: dict[str, Any] | None,
+        before: RunnableConfig | None,
+        limit: int | None,
+    ) -> list[CheckpointTuple]:
+        threads = Thread.objects.all()
+        if config is not None:
+            conf = config["configurable"]
+            threads = threads.filter(thread_id=str(conf["thread_id"]))
+            if conf.get("checkpoint_ns") is not None:
+                threads = threads.filter(checkpoint_ns=conf["checkpoint_ns"])
+        rows = SavedCheckpoint.objects.filter(thread__in=threads).select_related("thread")
+        if config is not None and (wanted := get_checkpoint_id(config)):
+            rows = rows.filter(lg_id=wanted)
+        if before is not None and (before_id := get_checkpoint_id(before)):
+            rows = rows.filter(lg_id__lt=before_id)
+        chosen: list[SavedCheckpoint] = []
+        for row in rows.order_by("-lg_id"):
+            if limit is not None and len(chosen) >= limit:
+                break
+            if filter:
+                md = codec.decode(row.metadata, self.serde)
+                if not all(md.get(key) == value for key, value in filter.items()):
+                    continue
+            chosen.append(row)
+        return self._tuples(chosen)
+
+    def _tuples(self, chosen: list[SavedCheckpoint]) -> list[CheckpointTuple]:
+        by_run: dict[Any, set[int]] = {}
+        for row in chosen:
+            by_run.setdefault(row.thread.run_id, set()).add(row.checkpoint_id)
+        decoded: dict[int, tuple[Any, Any, Any]] = {}
+        memo = _Memo(self.serde)
+
+        def emit(cp_id: int, doc: Any) -> None:
+            decoded[cp_id] = (
+                memo.decode(doc["checkpoint"]),
+                memo.decode(doc["values"]),
+                codec.decode(doc["metadata"], self.serde),
+            )
+
+        for run_id, ids in by_run.items():
+            reader.each_state(run_id, ids, emit)
+        writes: dict[tuple[int, str], list] = {}
+        for thread_pk in {row.thread_id for row in chosen}:
+            thread = next(row.thread for row in chosen if row.thread_id == thread_pk)
+            ids = [row.lg_id for row in chosen if row.thread_id == thread_pk]
+            for lg_id, found in self._writes(thread, ids).items():
+                writes[(thread_pk, lg_id)] = found
+        result = []
+        for row in chosen:
+            fields, values, md = decoded[row.checkpoint_id]
+            result.append(
+                CheckpointTuple(
+                    config=_config(row.thread, row.lg_id),
+                    checkpoint={**fields, "channel_values": values},
+                    metadata=md,
+                    parent_config=_config(row.thread, row.lg_parent_id)
+                    if row.lg_parent_id
+                    else None,
+                    pending_writes=writes.get((row.thread_id, row.lg_id), []),
+                )
+            )
+        return result
+
+    # --- deleting ------------------------------------------------------------------------
+
+    def _delete_thread(self, thread_id: str) -> None:
+        with self._lock, transaction.atomic():
+            threads = list(Thread.objects.filter(thread_id=str(thread_id)))
+            runs = [t.run_id for t in threads]
+            # Checkpoints protect their parents: unlink them before the cascade.
+            StoredCheckpoint.objects.filter(run_id__in=runs).update(parent=None)
+            Run.objects.filter(pk__in=runs).delete()
+            for t in threads:
+                self._forget(t)
+
+    def _prune(self, thread_ids: Sequence[str], strategy: str) -> None:
+        if isinstance(thread_ids, str):
+            raise TypeError("thread_ids must be a sequence of thread ids, not one string")
+        if strategy not in ("keep_latest", "delete"):
+            raise ValueError(f"unknown prune strategy {strategy!r}: keep_latest or delete")
+        for thread_id in thread_ids:
+            if strategy == "delete":
+                self._delete_thread(thread_id)
+                continue
+            with self._lock, transaction.atomic():
+                for thread in Thread.objects.filter(thread_id=str(thread_id)):
+                    rows = SavedCheckpoint.objects.filter(thread=thread)
+                    latest = rows.order_by("-lg_id").first()
+                    if latest is None:
+                        continue
+                    rows.exclude(pk=latest.pk).delete()
+                    rows.filter(pk=latest.pk).update(lg_parent_id="")
+                    PendingWrite.objects.filter(thread=thread).exclude(
+                        checkpoint_id=latest.lg_id
+                    ).delete()
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        raise NotImplementedError(
+            "DurableSaver keeps every checkpoint of a thread; delete the thread"
+            " (delete_thread) or let retention prune finished runs"
+        )
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        raise NotImplementedError(
+            "DurableSaver does not copy threads; fork a run from any checkpoint instead"
+            " (durability fork)"
+        )
+
+    # --- async ---------------------------------------------------------------------------
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        return self._call(self._put, config, checkpoint, metadata, new_versions)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        self._call(self._put_writes, config, writes, task_id, task_path)
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return self._call(self._get_tuple, config)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete the thread's runs (every namespace) with all their checkpoints."""
+        self._call(self._delete_thread, thread_id)
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """``"delete"``: as ``delete_thread``. ``"keep_latest"``: LangGraph sees only the
+        latest checkpoint of each namespace (its parent link cut, the others' pending
+        writes deleted); the runs keep their whole history, as every run in this store
+        does, until retention (``durability prune``) compacts it."""
+        self._call(self._prune, thread_ids, strategy)
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return await self._acall(self._get_tuple, config)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        for item in await self._acall(self._listed, config, filter, before, limit):
+            yield item
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        return await self._acall(self._put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        await self._acall(self._put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await self._acall(self._delete_thread, thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        await self._acall(self._prune, thread_ids, strategy)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        self.delete_for_runs(run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        self.copy_thread(source_thread_id, target_thread_id)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the snapshots still being written, then close the saver's database
+        connection and thread. Called at exit too."""
+        self._closer()
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the saver's thread (directly when already there)."""
+        if threading.current_thread() is self._worker_thread:
+            return fn(*args)
+        return self._worker.submit(self._on_worker, fn, *args).result()
+
+    async def _acall(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._worker.submit(self._on_worker, fn, *args))
+
+    def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        self._worker_thread = threading.current_thread()
+        with self._lock:
+            return fn(*args)
+
+    def run_of(self, thread_id: str, checkpoint_ns: str = "") -> Run | None:
+        """The run that holds a thread's namespace, if it was stored."""
+        thread = (
+            Thread.objects.select_related("run")
+            .filter(thread_id=str(thread_id), checkpoint_ns=checkpoint_ns)
+            .first()
+        )
+        return thread.run if thread else None
+
+    def _thread(self, thread_id: str, ns: str, *, create: bool) -> Thread | None:
+        key = (thread_id, ns)
+        thread = self._threads.get(key)
+        if thread is None:
+            thread = store.thread_of(thread_id, ns, graph=self.graph, create=create)
+            if thread is None:
+                return None
+            self._threads[key] = thread
+            self._head_seq[thread.pk] = thread.run.head_seq
+        return thread
+
+    def _forget(self, thread: Thread) -> None:
+        self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
+        for cache in (self._last, self._head_seq, self._encoders):
+            cache.pop(thread.pk, None)
+
+    def _seq(self, thread: Thread) -> int:
+        return self._head_seq.get(thread.pk, 0)
+
+    def _parent(self, thread: Thread, parent_id: str) -> store.Stored:
+        last = self._last.get(thread.pk)
+        if last is not None and last.lg_id == parent_id:
+            return last
+        found = store.stored(thread, parent_id) if parent_id else None
+        return found if found is not None else store.start_of(thread)
+
+    def _writes(self, thread: Thread, lg_ids: list[str]) -> dict[str, list]:
+        found: dict[str, list] = {}
+        rows = PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).values_list(
+            "checkpoint_id", "task_id", "idx", "channel", "task_path", "value"
+        )
+        for lg_id, task_id, _idx, channel, _path, value in sorted(
+            rows, key=lambda r: (r[0], *writes_sort_key(r[4], r[1], r[2]))
+        ):
+            decoded = codec.decode(canonical.loads(value), self.serde)
+            found.setdefault(lg_id, []).append((task_id, channel, decoded))
+        return found
+
+    def _tuple(
+        self, thread: Thread, lg_id: str, lg_parent: str, doc: Any, writes: list
+    ) -> CheckpointTuple:
+        return CheckpointTuple(
+            config=_config(thread, lg_id),
+            checkpoint={
+                **codec.decode(doc["checkpoint"], self.serde),
+                "channel_values": codec.decode(doc["values"], self.serde),
+            },
+            metadata=codec.decode(doc["metadata"], self.serde),
+            parent_config=_config(thread, lg_parent) if lg_parent else None,
+            pending_writes=writes,
+        )
+
+
+def _config(thread: Thread, lg_id: str) -> RunnableConfig:
+    return {
+        "configurable": {
+            "thread_id": thread.thread_id,
+            "checkpoint_ns": thread.checkpoint_ns,
+            "checkpoint_id": lg_id,
+        }
+    }
+
+
+class _Memo:
+    """Decodes the serialized leaves of many states of one thread once each: a message kept
+    from checkpoint to checkpoint is the same leaf in every state ``list`` rebuilds."""
+
+    def __init__(self, serde: Any) -> None:
+        self.serde = serde
+        self._seen: dict[tuple[str, str], Any] = {}
+
+    def decode(self, value: Any) -> Any:
+        kind = type(value)
+        if kind is list:
+            return [self.decode(item) for item in value]
+        if kind is dict:
+            if codec.TAG in value:
+                key = (value[codec.TAG], value["b64"])
+                if key not in self._seen:
+                    self._seen[key] = codec.decode(value, self.serde)
+                return self._seen[key]
+            return {key: self.decode(item) for key, item in value.items()}
+        return value
