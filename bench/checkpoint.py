@@ -38,6 +38,7 @@ PARTS = (
     "node-recovery",
     "throughput",
     "tracing",
+    "langgraph",
     "soak",
 )
 DEFAULT_SOAK_IF_SELECTED = 60.0
@@ -160,6 +161,10 @@ def _part(name: str, bench: Bench) -> Callable[[], None]:
         from bench import overhead
 
         return lambda: overhead.run(bench)
+    if name == "langgraph":
+        from bench import langgraph_saver
+
+        return lambda: langgraph_saver.run(bench)
     if name == "storage":
         from bench import storage
 
