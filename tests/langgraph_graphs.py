@@ -169,3 +169,27 @@ def appender(steps: int, size: int = 1000) -> StateGraph:
 
 def first_input() -> dict:
     return {"messages": [HumanMessage("hello", id="human-0")], "turns": 0}
+
+
+class Numbers(TypedDict):
+    nums: list
+    step: int
+
+
+def number_types() -> StateGraph:
+    """Each superstep keeps a list that compares equal in Python but changes its numbers'
+    types (1 -> 1.0 -> True): only an exact patch stores the change."""
+    values = [[1, 2], [1.0, 2], [True, 2], [1, 2.0]]
+
+    def step(state: Numbers) -> dict:
+        n = state["step"] + 1
+        return {"nums": list(values[n]), "step": n}
+
+    def route(state: Numbers) -> str:
+        return "step" if state["step"] < len(values) - 1 else END
+
+    g = StateGraph(Numbers)
+    g.add_node("step", step)
+    g.add_edge(START, "step")
+    g.add_conditional_edges("step", route, ["step", END])
+    return g

@@ -250,3 +250,25 @@ def test_appending_a_message_stores_about_one_message():
     assert report.ok, str(report)
     values = graph.get_state(cfg).values
     assert [m.id for m in values["messages"]][-2:] == ["m-38", "m-39"]
+
+
+def test_a_number_changing_type_is_stored_exactly():
+    """[1, 2] -> [1.0, 2] -> [True, 2] are equal to Python's ``==``: the patch must still
+    carry each change, or a new process would read back the wrong types."""
+    ours, theirs = both(graphs.number_types())
+    a, b = config(), config()
+    assert ours.invoke({"nums": [1, 2], "step": 0}, a) == theirs.invoke(
+        {"nums": [1, 2], "step": 0}, b
+    )
+
+    def typed(graph, cfg):
+        return [
+            [type(x).__name__ for x in s.values.get("nums", [])]
+            for s in graph.get_state_history(cfg)
+        ]
+
+    fresh = graphs.number_types().compile(checkpointer=DurableSaver())
+    assert typed(fresh, a) == typed(theirs, b)
+    assert [type(x) for x in fresh.get_state(a).values["nums"]] == [int, float]
+    (report,) = operations.verify(run_of(a).id)
+    assert report.ok, str(report)

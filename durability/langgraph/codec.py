@@ -120,3 +120,25 @@ def _json_view(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return [_json_view(item) for item in obj]
     return repr(obj)
+
+
+class Memo:
+    """Decodes the serialized leaves of many states of one thread once each: a message kept
+    from checkpoint to checkpoint is the same leaf in every state ``list`` rebuilds."""
+
+    def __init__(self, serde: Any) -> None:
+        self.serde = serde
+        self._seen: dict[tuple[str, str], Any] = {}
+
+    def decode(self, value: Any) -> Any:
+        kind = type(value)
+        if kind is list:
+            return [self.decode(item) for item in value]
+        if kind is dict:
+            if TAG in value:
+                key = (value[TAG], value["b64"])
+                if key not in self._seen:
+                    self._seen[key] = decode(value, self.serde)
+                return self._seen[key]
+            return {key: self.decode(item) for key, item in value.items()}
+        return value

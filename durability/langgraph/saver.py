@@ -2,21 +2,34 @@
 
 Each namespace of a thread is a run of the graph (a subgraph's namespace a child run), each
 LangGraph checkpoint one of the run's checkpoints: a patch on its parent, hash-chained,
-verifiable with ``durability verify``. The async methods run the sync ones in a thread
-on the saver's own thread, as every call does: one database connection per saver,
-whichever threads LangGraph calls it from, closed by ``close()``.
+verifiable with ``durability verify``.
+
+Where the work runs. On PostgreSQL, what a graph does at every superstep (``put``,
+``put_writes``, ``get_tuple``) runs on the thread LangGraph calls from, on connections the
+saver owns (one for checkpoints and reads, one for pending writes, so a task's writes do
+not hold up the checkpoint after them): no hop to another thread, one statement each
+(``latest`` reads a checkpoint, its rebuild and its writes at once). The rest (making a
+thread's run, ``list``, deleting, and everything on SQLite) runs on the saver's own thread
+with its Django connection. ``close()`` closes them all; so does garbage collection and
+exit. The async methods run the sync ones off the event loop.
+
+What a superstep costs. With LangGraph's durability "sync", each checkpoint is flushed to
+disk before the next superstep, as a native run's strict checkpoint is: that flush is most
+of a superstep's overhead here (see docs/performance.md), and LangGraph's own PostgresSaver
+pays it too, with a second statement for the writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -32,7 +45,7 @@ from langgraph.checkpoint.base import (
 )
 
 from durability import canonical, checkpoints
-from durability.langgraph import codec, reader, store
+from durability.langgraph import codec, latest, reader, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint as StoredCheckpoint
 from durability.models import Run
@@ -40,11 +53,48 @@ from durability.models import Run
 T = TypeVar("T")
 
 
-def _shut(worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter) -> None:
-    """Close a saver's snapshot thread, database connection and thread (``close``; also
+class _Shared:
+    """A database connection of the saver's own, used from any thread, one at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._db: Any = None
+
+    def run(self, fn: Callable[[Any], T]) -> T:
+        """``fn(connection)``, with this connection's lock held."""
+        with self.lock:
+            return self.use(fn)
+
+    def use(self, fn: Callable[[Any], T]) -> T:
+        """``fn(connection)``; the caller holds the lock."""
+        if self._db is None:
+            self._db = connections.create_connection(DEFAULT_DB_ALIAS)
+            self._db.inc_thread_sharing()
+        try:
+            return fn(self._db)
+        except DatabaseError:
+            if not self._db.is_usable():  # lost: the next call connects again
+                self.close()
+            raise
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
+def _shut(
+    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, shared: list[_Shared]
+) -> None:
+    """Close a saver's snapshot thread, database connections and thread (``close``; also
     when the saver is garbage-collected, and at exit)."""
     snapshots.close()
-    worker.submit(lambda: connection.close()).result()
+    for db in shared:
+        with db.lock:
+            db.close()
+    # At exit the executors may already be shut down: then there is nothing to close.
+    with contextlib.suppress(RuntimeError):
+        worker.submit(lambda: connection.close()).result()
     worker.shutdown()
 
 
@@ -70,7 +120,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._head_seq: dict[int, int] = {}
         self._encoders: dict[int, codec.Encoder] = {}
         self._snapshots = checkpoints.SnapshotWriter()
-        self._closer = weakref.finalize(self, _shut, self._worker, self._snapshots)
+        # PostgreSQL: the connections of the calls made at every superstep (see the
+        # module's docstring). The first is used with ``_lock`` held.
+        self._fast = connection.vendor == "postgresql"
+        self._db, self._writes_db = _Shared(), _Shared()
+        self._closer = weakref.finalize(
+            self, _shut, self._worker, self._snapshots, [self._db, self._writes_db]
+        )
 
     # --- writing -------------------------------------------------------------------------
 
@@ -84,39 +140,41 @@ class DurableSaver(BaseCheckpointSaver[int]):
         conf = config["configurable"]
         thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
         parent_id = conf.get("checkpoint_id") or ""
+        thread = self._known(thread_id, ns)
+        fields = dict(checkpoint)
+        values = fields.pop("channel_values")
+        md = get_checkpoint_metadata(config, metadata)
         with self._lock:
-            thread = self._thread(thread_id, ns, create=True)
-            assert thread is not None
-            parent = self._parent(thread, parent_id)
             encoder = self._encoders.setdefault(thread.pk, codec.Encoder(self.serde))
-            fields = dict(checkpoint)
-            values = fields.pop("channel_values")
-            md = get_checkpoint_metadata(config, metadata)
             doc = {
                 "checkpoint": codec.Encoder(self.serde).encode(fields),
                 "values": encoder.encode(values),
                 "metadata": codec.Encoder(self.serde).encode(md),
             }
-            new = store.NewCheckpoint(
-                thread=thread,
-                parent=parent,
-                seq=self._seq(thread) + 1,
-                lg_id=checkpoint["id"],
-                parent_lg_id=parent_id,
-                doc=doc,
-                metadata=doc["metadata"],
-                step=f"{md.get('source', '')} {md.get('step', '')}".strip(),
-            )
-            saved = store.commit(new, self._snapshots)
+            try:
+                saved = self._on_db(self._commit, thread, parent_id, checkpoint["id"], doc, md)
+            except BaseException:
+                # The parent's document may be half patched: read it again next time.
+                self._last.pop(thread.pk, None)
+                raise
             self._last[thread.pk] = saved
             self._head_seq[thread.pk] = saved.seq
-        return {
-            "configurable": {
-                "thread_id": thread_id,
-                "checkpoint_ns": ns,
-                "checkpoint_id": checkpoint["id"],
-            }
-        }
+        return _config(thread_id, ns, checkpoint["id"])
+
+    def _commit(
+        self, db: Any, thread: Thread, parent_id: str, lg_id: str, doc: Any, md: Any
+    ) -> latest.Stored:
+        new = store.NewCheckpoint(
+            thread=thread,
+            parent=self._parent(db, thread, parent_id),
+            seq=self._head_seq.get(thread.pk, 0) + 1,
+            lg_id=lg_id,
+            parent_lg_id=parent_id,
+            doc=doc,
+            metadata=doc["metadata"],
+            step=f"{md.get('source', '')} {md.get('step', '')}".strip(),
+        )
+        return store.commit(new, self._snapshots, db)
 
     def _put_writes(
         self,
@@ -136,10 +194,18 @@ class DurableSaver(BaseCheckpointSaver[int]):
             for idx, (channel, value) in enumerate(writes)
         ]
         replace = all(channel in WRITES_IDX_MAP for channel, _ in writes)
-        with self._lock:
-            thread = self._thread(thread_id, ns, create=True)
-            assert thread is not None
-            store.put_writes(thread, checkpoint_id, task_id, task_path, rows, replace=replace)
+        thread = self._known(thread_id, ns)
+
+        def write(db: Any) -> None:
+            store.put_writes(
+                thread.pk, checkpoint_id, task_id, task_path, rows, replace=replace, db=db
+            )
+
+        if self._fast:
+            self._writes_db.run(write)
+        else:
+            with self._lock:
+                write(connection)
 
     def get_next_version(self, current: int | None, channel: None = None) -> int:
         """Integer versions: each checkpoint keeps its own channel values, so versions need
@@ -156,25 +222,54 @@ class DurableSaver(BaseCheckpointSaver[int]):
     def _get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         conf = config["configurable"]
         thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
-        wanted = get_checkpoint_id(config)
+        wanted = get_checkpoint_id(config) or ""
+        if not self._fast:
+            return self._call(self._get_tuple_orm, thread_id, ns, wanted)
         with self._lock:
-            thread = self._thread(thread_id, ns, create=False)
-            if thread is None:
+            known = self._threads.get((thread_id, ns))
+            have = self._last.get(known.pk) if known is not None else None
+            try:
+                found = self._db.use(lambda db: latest.read(db, thread_id, ns, wanted, have))
+            except BaseException:
+                if known is not None:  # its document may be half patched
+                    self._last.pop(known.pk, None)
+                raise
+            if found is None or found.stored is None:
                 return None
-            rows = SavedCheckpoint.objects.filter(thread=thread)
-            rows = rows.filter(lg_id=wanted) if wanted else rows.order_by("-lg_id")
-            row = rows.values_list("checkpoint_id", "lg_id", "lg_parent_id").first()
-            if row is None:
+            if known is None:
+                known = Thread(
+                    id=found.thread, thread_id=thread_id, checkpoint_ns=ns, run_id=found.run_id
+                )
+                self._threads[(thread_id, ns)] = known
+            self._last[found.thread] = found.stored
+            self._head_seq[found.thread] = found.head_seq
+            doc = found.stored.doc
+            writes = [
+                (task_id, channel, codec.decode(canonical.loads(value), self.serde))
+                for task_id, _idx, channel, _path, value in sorted(
+                    found.writes, key=lambda w: writes_sort_key(w[3], w[0], w[1])
+                )
+            ]
+            return self._tuple(thread_id, ns, found.stored.lg_id, found.lg_parent, doc, writes)
+
+    def _get_tuple_orm(self, thread_id: str, ns: str, wanted: str) -> CheckpointTuple | None:
+        thread = self._thread(thread_id, ns, create=False)
+        if thread is None:
+            return None
+        rows = SavedCheckpoint.objects.filter(thread=thread)
+        rows = rows.filter(lg_id=wanted) if wanted else rows.order_by("-lg_id")
+        row = rows.values_list("checkpoint_id", "lg_id", "lg_parent_id").first()
+        if row is None:
+            return None
+        cp_id, lg_id, lg_parent = row
+        last = self._last.get(thread.pk)
+        if last is None or last.id != cp_id:
+            last = store.stored(thread, lg_id)
+            if last is None:  # deleted meanwhile
                 return None
-            cp_id, lg_id, lg_parent = row
-            last = self._last.get(thread.pk)
-            if last is None or last.id != cp_id:
-                last = store.stored(thread, lg_id)
-                if last is None:  # deleted meanwhile
-                    return None
-                self._last[thread.pk] = last
-            writes = self._writes(thread, [lg_id]).get(lg_id, [])
-            return self._tuple(thread, lg_id, lg_parent, last.doc, writes)
+            self._last[thread.pk] = last
+        writes = self._writes(thread, [lg_id]).get(lg_id, [])
+        return self._tuple(thread_id, ns, lg_id, lg_parent, last.doc, writes)
 
     def list(
         self,
@@ -220,7 +315,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         for row in chosen:
             by_run.setdefault(row.thread.run_id, set()).add(row.checkpoint_id)
         decoded: dict[int, tuple[Any, Any, Any]] = {}
-        memo = _Memo(self.serde)
+        memo = codec.Memo(self.serde)
 
         def emit(cp_id: int, doc: Any) -> None:
             decoded[cp_id] = (
@@ -242,10 +337,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
             fields, values, md = decoded[row.checkpoint_id]
             result.append(
                 CheckpointTuple(
-                    config=_config(row.thread, row.lg_id),
+                    config=_config(row.thread.thread_id, row.thread.checkpoint_ns, row.lg_id),
                     checkpoint={**fields, "channel_values": values},
                     metadata=md,
-                    parent_config=_config(row.thread, row.lg_parent_id)
+                    parent_config=_config(
+                        row.thread.thread_id, row.thread.checkpoint_ns, row.lg_parent_id
+                    )
                     if row.lg_parent_id
                     else None,
                     pending_writes=writes.get((row.thread_id, row.lg_id), []),
@@ -298,7 +395,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             " (durability fork)"
         )
 
-    # --- async ---------------------------------------------------------------------------
+    # --- the interface ---------------------------------------------------------------------
 
     def put(
         self,
@@ -307,6 +404,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
+        if self._fast:
+            return self._put(config, checkpoint, metadata, new_versions)
         return self._call(self._put, config, checkpoint, metadata, new_versions)
 
     def put_writes(
@@ -316,10 +415,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        self._call(self._put_writes, config, writes, task_id, task_path)
+        if self._fast:
+            self._put_writes(config, writes, task_id, task_path)
+        else:
+            self._call(self._put_writes, config, writes, task_id, task_path)
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return self._call(self._get_tuple, config)
+        return self._get_tuple(config)
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete the thread's runs (every namespace) with all their checkpoints."""
@@ -333,7 +435,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._call(self._prune, thread_ids, strategy)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return await self._acall(self._get_tuple, config)
+        return await asyncio.to_thread(self.get_tuple, config)
 
     async def alist(
         self,
@@ -353,7 +455,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        return await self._acall(self._put, config, checkpoint, metadata, new_versions)
+        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
 
     async def aput_writes(
         self,
@@ -362,7 +464,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        await self._acall(self._put_writes, config, writes, task_id, task_path)
+        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
         await self._acall(self._delete_thread, thread_id)
@@ -397,6 +499,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
         with self._lock:
             return fn(*args)
 
+    def _on_db(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(connection, *args)`` with ``_lock`` held: the saver's own connection on
+        PostgreSQL, else the saver's thread's."""
+        if self._fast:
+            return self._db.use(lambda db: fn(db, *args))
+        return fn(connection, *args)
+
     def run_of(self, thread_id: str, checkpoint_ns: str = "") -> Run | None:
         """The run that holds a thread's namespace, if it was stored."""
         thread = (
@@ -417,20 +526,35 @@ class DurableSaver(BaseCheckpointSaver[int]):
             self._head_seq[thread.pk] = thread.run.head_seq
         return thread
 
+    def _known(self, thread_id: str, ns: str) -> Thread:
+        """The namespace's thread, made if new (on the saver's thread: not with ``_lock``
+        held on another)."""
+        thread = self._threads.get((thread_id, ns))
+        if thread is None:
+            thread = self._call(lambda: self._thread(thread_id, ns, create=True))
+            assert thread is not None
+        return thread
+
     def _forget(self, thread: Thread) -> None:
         self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
         for cache in (self._last, self._head_seq, self._encoders):
             cache.pop(thread.pk, None)
 
-    def _seq(self, thread: Thread) -> int:
-        return self._head_seq.get(thread.pk, 0)
-
-    def _parent(self, thread: Thread, parent_id: str) -> store.Stored:
+    def _parent(self, db: Any, thread: Thread, parent_id: str) -> latest.Stored:
+        """The checkpoint a new one is patched on: the last one written or read, else read
+        (the run's empty first checkpoint for a thread's first)."""
         last = self._last.get(thread.pk)
         if last is not None and last.lg_id == parent_id:
             return last
-        found = store.stored(thread, parent_id) if parent_id else None
-        return found if found is not None else store.start_of(thread)
+        if not self._fast:
+            found = store.stored(thread, parent_id) if parent_id else None
+            return found if found is not None else store.start_of(thread)
+        if parent_id:
+            read = latest.read(db, thread.thread_id, thread.checkpoint_ns, parent_id, None)
+            if read is not None and read.stored is not None:
+                self._head_seq[thread.pk] = max(read.head_seq, self._head_seq.get(thread.pk, 0))
+                return read.stored
+        return latest.start(db, thread.run_id)
 
     def _writes(self, thread: Thread, lg_ids: list[str]) -> dict[str, list]:
         found: dict[str, list] = {}
@@ -445,47 +569,19 @@ class DurableSaver(BaseCheckpointSaver[int]):
         return found
 
     def _tuple(
-        self, thread: Thread, lg_id: str, lg_parent: str, doc: Any, writes: list
+        self, thread_id: str, ns: str, lg_id: str, lg_parent: str, doc: Any, writes: list
     ) -> CheckpointTuple:
         return CheckpointTuple(
-            config=_config(thread, lg_id),
+            config=_config(thread_id, ns, lg_id),
             checkpoint={
                 **codec.decode(doc["checkpoint"], self.serde),
                 "channel_values": codec.decode(doc["values"], self.serde),
             },
             metadata=codec.decode(doc["metadata"], self.serde),
-            parent_config=_config(thread, lg_parent) if lg_parent else None,
+            parent_config=_config(thread_id, ns, lg_parent) if lg_parent else None,
             pending_writes=writes,
         )
 
 
-def _config(thread: Thread, lg_id: str) -> RunnableConfig:
-    return {
-        "configurable": {
-            "thread_id": thread.thread_id,
-            "checkpoint_ns": thread.checkpoint_ns,
-            "checkpoint_id": lg_id,
-        }
-    }
-
-
-class _Memo:
-    """Decodes the serialized leaves of many states of one thread once each: a message kept
-    from checkpoint to checkpoint is the same leaf in every state ``list`` rebuilds."""
-
-    def __init__(self, serde: Any) -> None:
-        self.serde = serde
-        self._seen: dict[tuple[str, str], Any] = {}
-
-    def decode(self, value: Any) -> Any:
-        kind = type(value)
-        if kind is list:
-            return [self.decode(item) for item in value]
-        if kind is dict:
-            if codec.TAG in value:
-                key = (value[codec.TAG], value["b64"])
-                if key not in self._seen:
-                    self._seen[key] = codec.decode(value, self.serde)
-                return self._seen[key]
-            return {key: self.decode(item) for key, item in value.items()}
-        return value
+def _config(thread_id: str, ns: str, lg_id: str) -> RunnableConfig:
+    return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": lg_id}}

@@ -17,10 +17,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
+from durability.langgraph.latest import Stored
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import (
     Checkpoint,
@@ -36,20 +37,6 @@ from durability.models import (
 AGENT_VERSION = "langgraph"
 SCHEMA_VERSION = 1
 WAIT_DETAIL = "a LangGraph thread: it goes on when its graph is invoked again"
-
-
-@dataclass(slots=True)
-class Stored:
-    """What a saver keeps in memory of a stored checkpoint, to patch the next one on it."""
-
-    id: int
-    seq: int
-    lg_id: str
-    state_hash: str
-    chain_hash: str
-    delta_run: int
-    size: int
-    doc: Any  # the encoded state document; never changed in place
 
 
 @dataclass(slots=True)
@@ -114,7 +101,7 @@ def thread_of(thread_id: str, ns: str, *, graph: str, create: bool) -> Thread | 
 
 def start_of(thread: Thread) -> Stored:
     cp = Checkpoint.objects.get(run_id=thread.run_id, seq=0)
-    return Stored(cp.id, 0, "", cp.state_hash, cp.chain_hash, 0, cp.size, {})
+    return Stored(cp.id, 0, "", cp.state_hash, cp.chain_hash, 0, cp.size, {}, b"{}")
 
 
 def stored(thread: Thread, lg_id: str) -> Stored | None:
@@ -126,7 +113,7 @@ def stored(thread: Thread, lg_id: str) -> Stored | None:
     )
     if cp is None:
         return None
-    doc, _, rebuilt = checkpoints.verified_state(cp)
+    doc, data, rebuilt = checkpoints.verified_state(cp)
     return Stored(
         cp.id,
         cp.seq,
@@ -136,19 +123,49 @@ def stored(thread: Thread, lg_id: str) -> Stored | None:
         cp.delta_run if rebuilt.deltas else 0,
         cp.size,
         doc,
+        data,
     )
 
 
-def commit(new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter) -> Stored:
-    """Store ``new`` as a patch on its parent. The run's checkpoint number is taken in the
-    same statement: if another writer took it meanwhile, the chain is made again on the
-    number it left."""
-    ops = diff.diff(new.parent.doc, new.doc)
+def needs_snapshot(delta_run: int, size: int) -> bool:
+    """A thread's latest checkpoint is rebuilt by every invocation of its graph
+    (``get_tuple``), so its snapshot is kept closer than a native run's: once the patches
+    since the last one outweigh half the state, not all of it (a rebuild reads at most one
+    and a half states; the snapshots of a growing thread add up to about three)."""
+    return 2 * delta_run > size
+
+
+def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes, Any]:
+    """The patch that turns ``parent``'s state into ``doc`` (its bytes and number of
+    operations), ``doc``'s canonical bytes and
+    the parent's state with the patch applied, proven to be those bytes (as the worker
+    proves a step's patch before its commit). The parent's own document is patched in
+    place: the caller forgets it if the commit fails."""
+    if parent.data is None:
+        parent.data = canonical.dumps(parent.doc)
+    state_bytes = canonical.dumps(doc)
+    ops = diff.diff(parent.doc, doc)
     ops_bytes = canonical.dumps(ops)
-    state_bytes = canonical.dumps(new.doc)
+    patched = diff.apply_own(parent.doc, canonical.loads(ops_bytes))
+    if canonical.dumps(patched) != state_bytes:
+        # The fast walk missed a change of number type (1 -> 1.0 -> True): diff exactly.
+        base = canonical.loads(parent.data)
+        ops = diff.diff(base, doc, strict=True)
+        ops_bytes = canonical.dumps(ops)
+        patched = diff.apply_own(canonical.loads(parent.data), canonical.loads(ops_bytes))
+        if canonical.dumps(patched) != state_bytes:  # pragma: no cover - a bug if reached
+            raise IntegrityViolation("a LangGraph checkpoint's patch does not reproduce it")
+    return ops_bytes, len(ops), state_bytes, patched
+
+
+def commit(new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter, db: Any) -> Stored:
+    """Store ``new`` as a patch on its parent, on the connection ``db``. The run's
+    checkpoint number is taken in the same statement: if another writer took it meanwhile,
+    the chain is made again on the number it left."""
+    ops_bytes, count, state_bytes, doc = exact_patch(new.parent, new.doc)
     state_hash = canonical.patched(new.parent.state_hash, ops_bytes)
     delta_run = new.parent.delta_run + len(ops_bytes)
-    snapshot = checkpoints.needs_snapshot(delta_run, len(state_bytes))
+    snapshot = needs_snapshot(delta_run, len(state_bytes))
     inline = snapshot and len(state_bytes) <= checkpoints.INLINE_SNAPSHOT_BYTES
     seq = new.seq
     for _ in range(100):
@@ -174,21 +191,21 @@ def commit(new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter) -> Stored:
             "delta_run": delta_run,
             "commit_id": uuid.uuid4(),
             "ops": ops_bytes.decode(),
-            "count": len(ops),
+            "count": count,
             "thread": new.thread.pk,
             "lg_id": new.lg_id,
             "lg_parent": new.parent_lg_id,
             "metadata": canonical.dumps(new.metadata).decode(),
             "data": canonical.dumps(
-                {"bytes": len(state_bytes), "delta": len(ops_bytes), "ops": len(ops)}
+                {"bytes": len(state_bytes), "delta": len(ops_bytes), "ops": count}
             ).decode(),
             "snapshot": state_bytes.decode() if inline else None,
             "digest": checkpoints.seal(state_hash, state_bytes) if inline else "",
         }
-        checkpoint_id = _insert(row)
+        checkpoint_id = _insert(row, db)
         if checkpoint_id is not None:
             break
-        seq = Run.objects.filter(pk=new.thread.run_id).values_list("head_seq", flat=True)[0] + 1
+        seq = _head_seq(db, new.thread.run_id) + 1
     else:  # pragma: no cover - a hundred writers on one thread at once
         raise IntegrityViolation("could not number the checkpoint", run_id=new.thread.run_id)
     if snapshot and not inline:
@@ -201,14 +218,23 @@ def commit(new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter) -> Stored:
         chain,
         0 if snapshot else delta_run,
         len(state_bytes),
-        new.doc,
+        doc,
+        state_bytes,
     )
 
 
-def _insert(row: dict[str, Any]) -> int | None:
+def _head_seq(db: Any, run_id: Any) -> int:
+    if db.vendor != "postgresql":
+        return Run.objects.filter(pk=run_id).values_list("head_seq", flat=True)[0]
+    with db.cursor() as cur:
+        cur.execute(f"SELECT head_seq FROM {Run._meta.db_table} WHERE id = %s", [run_id])
+        return cur.fetchone()[0]
+
+
+def _insert(row: dict[str, Any], db: Any) -> int | None:
     """Write one checkpoint; None if the run's head moved (another writer numbered one)."""
-    if connection.vendor == "postgresql" and not connection.in_atomic_block:
-        with connection.cursor() as cur:
+    if db.vendor == "postgresql" and not db.in_atomic_block:
+        with db.cursor() as cur:
             cur.execute(_SQL[row["snapshot"] is not None], row)
             found = cur.fetchone()
         return int(found[0]) if found else None
@@ -329,25 +355,26 @@ _WRITES_SQL = {
 
 
 def put_writes(
-    thread: Thread,
+    thread: int,
     checkpoint_id: str,
     task_id: str,
     task_path: str,
     rows: Iterable[tuple[int, str, bytes]],
     *,
     replace: bool,
+    db: Any,
 ) -> None:
     """Store a task's writes; a write already stored is kept, unless all of them are
     LangGraph's special writes (an error, an interrupt, a resume value), which replace."""
     rows = list(rows)
-    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+    if db.vendor == "postgresql" and not db.in_atomic_block:
         # Its own implicit transaction, not flushed before answering (see the module's
         # docstring); inside a caller's transaction the caller's setting stays.
-        with connection.cursor() as cur:
+        with db.cursor() as cur:
             cur.execute(
                 _WRITES_SQL[replace],
                 {
-                    "thread": thread.pk,
+                    "thread": thread,
                     "checkpoint": checkpoint_id,
                     "task": task_id,
                     "path": task_path,
@@ -359,7 +386,7 @@ def put_writes(
         return
     objs = [
         PendingWrite(
-            thread=thread,
+            thread_id=thread,
             checkpoint_id=checkpoint_id,
             task_id=task_id,
             idx=idx,
