@@ -193,3 +193,37 @@ def number_types() -> StateGraph:
     g.add_edge(START, "step")
     g.add_conditional_edges("step", route, ["step", END])
     return g
+
+
+def pairs(turns: int, pause: float = 0.0, announce: bool = False) -> StateGraph:
+    """Supersteps of two parallel nodes (``a``, then a slower ``b``), each appending a
+    message of about 1 KB, and a ``count`` node between them, for ``turns`` rounds. With
+    ``announce``, each node prints a line as it starts (the crash tests kill on them)."""
+    import time
+
+    def node(name: str, wait: float):
+        def run(state: Chat) -> dict:
+            n = state.get("turns", 0)
+            if announce:
+                print(f"node {name} {n}", flush=True)
+            time.sleep(wait)
+            text = f"{name}{n} " * 250
+            return {"messages": [AIMessage(text, id=f"{name}-{n}")]}
+
+        return run
+
+    def count(state: Chat) -> dict:
+        return {"turns": state.get("turns", 0) + 1}
+
+    def route(state: Chat) -> list[str] | str:
+        return ["a", "b"] if state["turns"] < turns else END
+
+    g = StateGraph(Chat)
+    g.add_node("a", node("a", pause))
+    g.add_node("b", node("b", 2 * pause))
+    g.add_node("count", count)
+    g.add_edge(START, "a")
+    g.add_edge(START, "b")
+    g.add_edge(["a", "b"], "count")
+    g.add_conditional_edges("count", route, ["a", "b", END])
+    return g
