@@ -234,6 +234,8 @@ def test_prune_keep_latest_and_bad_input():
     assert graph.get_state(cfg).values == head
     with pytest.raises(ValueError, match="graph must be"):
         DurableSaver(graph="")
+    with pytest.raises(ValueError, match="durability must be 'strict' or 'relaxed'"):
+        DurableSaver(durability="sync")
     with pytest.raises(NotImplementedError):
         saver.copy_thread("a", "b")
 
@@ -270,5 +272,17 @@ def test_a_number_changing_type_is_stored_exactly():
     fresh = graphs.number_types().compile(checkpointer=DurableSaver())
     assert typed(fresh, a) == typed(theirs, b)
     assert [type(x) for x in fresh.get_state(a).values["nums"]] == [int, float]
+    (report,) = operations.verify(run_of(a).id)
+    assert report.ok, str(report)
+
+
+@pytest.mark.smoke
+def test_relaxed_durability_stores_the_same_checkpoints():
+    ours = graphs.tool_loop().compile(checkpointer=DurableSaver(durability="relaxed"))
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    a, b = config(), config()
+    assert ours.invoke(graphs.first_input(), a) == theirs.invoke(graphs.first_input(), b)
+    fresh = graphs.tool_loop().compile(checkpointer=DurableSaver())
+    assert history(fresh, a) == history(theirs, b)
     (report,) = operations.verify(run_of(a).id)
     assert report.ok, str(report)

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
+from django.db import connection, transaction
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -47,44 +47,15 @@ from langgraph.checkpoint.base import (
 from durability import canonical, checkpoints
 from durability.langgraph import codec, latest, reader, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.langgraph.shared import Shared
 from durability.models import Checkpoint as StoredCheckpoint
 from durability.models import Run
 
 T = TypeVar("T")
 
 
-class _Shared:
-    """A database connection of the saver's own, used from any thread, one at a time."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._db: Any = None
-
-    def run(self, fn: Callable[[Any], T]) -> T:
-        """``fn(connection)``, with this connection's lock held."""
-        with self.lock:
-            return self.use(fn)
-
-    def use(self, fn: Callable[[Any], T]) -> T:
-        """``fn(connection)``; the caller holds the lock."""
-        if self._db is None:
-            self._db = connections.create_connection(DEFAULT_DB_ALIAS)
-            self._db.inc_thread_sharing()
-        try:
-            return fn(self._db)
-        except DatabaseError:
-            if not self._db.is_usable():  # lost: the next call connects again
-                self.close()
-            raise
-
-    def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-
-
 def _shut(
-    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, shared: list[_Shared]
+    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, shared: list[Shared]
 ) -> None:
     """Close a saver's snapshot thread, database connections and thread (``close``; also
     when the saver is garbage-collected, and at exit)."""
@@ -103,13 +74,25 @@ class DurableSaver(BaseCheckpointSaver[int]):
 
         graph = builder.compile(checkpointer=DurableSaver())
 
-    ``graph`` names the runs its threads show up as (one saver per graph name)."""
+    ``graph`` names the runs its threads show up as (one saver per graph name).
+    ``durability``: ``"strict"`` flushes each checkpoint to disk before ``put`` returns;
+    ``"relaxed"`` does not wait for the flush (a database crash may lose the last fraction
+    of a second of checkpoints, never corrupting them), as the product's levels do."""
 
-    def __init__(self, *, graph: str = "agent", serde: SerializerProtocol | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        graph: str = "agent",
+        durability: str = "strict",
+        serde: SerializerProtocol | None = None,
+    ) -> None:
         super().__init__(serde=serde)
         if not graph or len(graph) > 200:
             raise ValueError("graph must be a name of 1 to 200 characters")
+        if durability not in ("strict", "relaxed"):
+            raise ValueError(f"durability must be 'strict' or 'relaxed', not {durability!r}")
         self.graph = graph
+        self.durability = durability
         self._lock = threading.RLock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-saver")
         self._worker_thread: threading.Thread | None = None
@@ -123,7 +106,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         # PostgreSQL: the connections of the calls made at every superstep (see the
         # module's docstring). The first is used with ``_lock`` held.
         self._fast = connection.vendor == "postgresql"
-        self._db, self._writes_db = _Shared(), _Shared()
+        self._db, self._writes_db = Shared(), Shared()
         self._closer = weakref.finalize(
             self, _shut, self._worker, self._snapshots, [self._db, self._writes_db]
         )
@@ -174,7 +157,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             metadata=doc["metadata"],
             step=f"{md.get('source', '')} {md.get('step', '')}".strip(),
         )
-        return store.commit(new, self._snapshots, db)
+        return store.commit(new, self._snapshots, db, relaxed=self.durability == "relaxed")
 
     def _put_writes(
         self,

@@ -158,10 +158,13 @@ def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes, Any]:
     return ops_bytes, len(ops), state_bytes, patched
 
 
-def commit(new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter, db: Any) -> Stored:
+def commit(
+    new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter, db: Any, *, relaxed: bool = False
+) -> Stored:
     """Store ``new`` as a patch on its parent, on the connection ``db``. The run's
     checkpoint number is taken in the same statement: if another writer took it meanwhile,
-    the chain is made again on the number it left."""
+    the chain is made again on the number it left. ``relaxed``: without waiting for the
+    flush to disk (the product's relaxed durability level)."""
     ops_bytes, count, state_bytes, doc = exact_patch(new.parent, new.doc)
     state_hash = canonical.patched(new.parent.state_hash, ops_bytes)
     delta_run = new.parent.delta_run + len(ops_bytes)
@@ -202,7 +205,7 @@ def commit(new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter, db: Any) -
             "snapshot": state_bytes.decode() if inline else None,
             "digest": checkpoints.seal(state_hash, state_bytes) if inline else "",
         }
-        checkpoint_id = _insert(row, db)
+        checkpoint_id = _insert(row, db, relaxed)
         if checkpoint_id is not None:
             break
         seq = _head_seq(db, new.thread.run_id) + 1
@@ -231,13 +234,18 @@ def _head_seq(db: Any, run_id: Any) -> int:
         return cur.fetchone()[0]
 
 
-def _insert(row: dict[str, Any], db: Any) -> int | None:
+def _insert(row: dict[str, Any], db: Any, relaxed: bool) -> int | None:
     """Write one checkpoint; None if the run's head moved (another writer numbered one)."""
     if db.vendor == "postgresql" and not db.in_atomic_block:
         with db.cursor() as cur:
-            cur.execute(_SQL[row["snapshot"] is not None], row)
+            cur.execute(_SQL[(row["snapshot"] is not None, relaxed)], row)
             found = cur.fetchone()
         return int(found[0]) if found else None
+    with checkpoints.sqlite_synchronous("relaxed" if relaxed else "strict"):
+        return _insert_orm(row)
+
+
+def _insert_orm(row: dict[str, Any]) -> int | None:
     with transaction.atomic():
         updated = Run.objects.filter(pk=row["run"], head_seq=row["head_seq"]).update(
             head_seq=row["head_seq"] + 1
@@ -280,9 +288,10 @@ def _insert(row: dict[str, Any], db: Any) -> int | None:
 
 
 _COMMIT = """
-WITH r AS (
+WITH cfg AS (SELECT {lowered} AS v), r AS (
     UPDATE {run} SET head_seq = head_seq + 1, updated_at = now()
      WHERE id = %(run)s::uuid AND head_seq = %(head_seq)s::integer
+       AND (SELECT v FROM cfg) IS NOT NULL
  RETURNING id, head_seq
 ), c AS (
     INSERT INTO {checkpoint}
@@ -315,9 +324,13 @@ _SNAPSHOT = """, s AS (
 )"""
 
 
-def _commit_sql(with_snapshot: bool) -> str:
+def _commit_sql(with_snapshot: bool, relaxed: bool) -> str:
     snap = _SNAPSHOT.format(snapshot=Snapshot._meta.db_table) if with_snapshot else ""
+    # relaxed: this statement's transaction does not wait for the WAL flush (the
+    # product's relaxed level; see docs/architecture.md).
+    lowered = "set_config('synchronous_commit', 'off', true)" if relaxed else "''"
     return _COMMIT.format(
+        lowered=lowered,
         run=Run._meta.db_table,
         checkpoint=Checkpoint._meta.db_table,
         mutation=Mutation._meta.db_table,
@@ -329,7 +342,11 @@ def _commit_sql(with_snapshot: bool) -> str:
     )
 
 
-_SQL = {True: _commit_sql(True), False: _commit_sql(False)}
+_SQL = {
+    (snapshot, relaxed): _commit_sql(snapshot, relaxed)
+    for snapshot in (False, True)
+    for relaxed in (False, True)
+}
 
 
 _WRITES = """
