@@ -9,6 +9,7 @@ import gc
 import uuid
 
 import pytest
+from django.db import connection
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
@@ -286,3 +287,33 @@ def test_relaxed_durability_stores_the_same_checkpoints():
     assert history(fresh, a) == history(theirs, b)
     (report,) = operations.verify(run_of(a).id)
     assert report.ok, str(report)
+
+
+def test_a_lost_connection_is_made_again():
+    """The server drops every connection of the saver (a restart, a failover, an idle
+    timeout): reads connect again and retry, and the graph goes on."""
+    if connection.vendor != "postgresql":
+        pytest.skip("ending another session's backend needs PostgreSQL")
+    saver = DurableSaver()
+    graph = graphs.tool_loop().compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    before = len(list(saver.list(cfg)))
+
+    def drop_all() -> None:
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+
+    drop_all()
+    assert saver.get_tuple(cfg).metadata["step"] == before - 2
+    assert len(list(saver.list(cfg))) == before
+    drop_all()
+    more = {"messages": [graphs.HumanMessage("again", id="human-1")], "turns": 0}
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    other = config()
+    theirs.invoke(graphs.first_input(), other)
+    assert graph.invoke(more, cfg) == theirs.invoke(more, other)
+    assert history(graph, cfg) == history(theirs, other)

@@ -4,14 +4,12 @@ Each namespace of a thread is a run of the graph (a subgraph's namespace a child
 LangGraph checkpoint one of the run's checkpoints: a patch on its parent, hash-chained,
 verifiable with ``durability verify``.
 
-Where the work runs. On PostgreSQL, what a graph does at every superstep (``put``,
-``put_writes``, ``get_tuple``) runs on the thread LangGraph calls from, on connections the
-saver owns (one for checkpoints and reads, one for pending writes, so a task's writes do
-not hold up the checkpoint after them): no hop to another thread, one statement each
-(``latest`` reads a checkpoint, its rebuild and its writes at once). The rest (making a
-thread's run, ``list``, deleting, and everything on SQLite) runs on the saver's own thread
-with its Django connection. ``close()`` closes them all; so does garbage collection and
-exit. The async methods run the sync ones off the event loop.
+On PostgreSQL, ``put``, ``put_writes`` and ``get_tuple`` run on the thread LangGraph calls
+from, one statement each, on two connections the saver owns (checkpoints and reads; pending
+writes, so that they do not hold up the checkpoint after them). The rest (a new thread's
+run, ``list``, deleting, all of SQLite) runs on the saver's own thread and connection.
+``close()``, garbage collection and exit close them. Async methods run the sync ones off
+the event loop. A read finding its connection lost connects again and retries once.
 
 Two of the benchmark's targets (bench/langgraph_saver.py: 200 supersteps each appending a
 1 KB message, durability "sync", against LangGraph's PostgresSaver on the same database)
@@ -41,14 +39,13 @@ are not met; bytes stored (0.07x, target 0.1x) and ``list`` (0.10x, target 1x) a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -64,28 +61,13 @@ from langgraph.checkpoint.base import (
 )
 
 from durability import canonical, checkpoints
-from durability.langgraph import codec, latest, reader, store
+from durability.langgraph import codec, latest, reader, shared, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.shared import Shared
 from durability.models import Checkpoint as StoredCheckpoint
 from durability.models import Run
 
 T = TypeVar("T")
-
-
-def _shut(
-    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, shared: list[Shared]
-) -> None:
-    """Close a saver's snapshot thread, database connections and thread (``close``; also
-    when the saver is garbage-collected, and at exit)."""
-    snapshots.close()
-    for db in shared:
-        with db.lock:
-            db.close()
-    # At exit the executors may already be shut down: then there is nothing to close.
-    with contextlib.suppress(RuntimeError):
-        worker.submit(lambda: connection.close()).result()
-    worker.shutdown()
 
 
 class DurableSaver(BaseCheckpointSaver[int]):
@@ -127,7 +109,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._fast = connection.vendor == "postgresql"
         self._db, self._writes_db = Shared(), Shared()
         self._closer = weakref.finalize(
-            self, _shut, self._worker, self._snapshots, [self._db, self._writes_db]
+            self, shared.shut, self._worker, self._snapshots, [self._db, self._writes_db]
         )
 
     # --- writing -------------------------------------------------------------------------
@@ -204,7 +186,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             )
 
         if self._fast:
-            self._writes_db.run(write)
+            self._writes_db.run(write, retry=True)  # stored once whatever the tries
         else:
             with self._lock:
                 write(connection)
@@ -231,7 +213,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
             known = self._threads.get((thread_id, ns))
             have = self._last.get(known.pk) if known is not None else None
             try:
-                found = self._db.use(lambda db: latest.read(db, thread_id, ns, wanted, have))
+                found = self._db.use(
+                    lambda db: latest.read(db, thread_id, ns, wanted, have), retry=True
+                )
             except BaseException:
                 if known is not None:  # its document may be half patched
                     self._last.pop(known.pk, None)
@@ -281,7 +265,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
-        yield from self._call(self._listed, config, filter, before, limit)
+        try:
+            found = self._call(self._listed, config, filter, before, limit)
+        except DatabaseError:
+            if self._call(_connected):  # not a lost connection: nothing to try again
+                raise
+            found = self._call(self._listed, config, filter, before, limit)
+        yield from found
 
     def _listed(
         self,
@@ -499,7 +489,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
     def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
         self._worker_thread = threading.current_thread()
         with self._lock:
-            return fn(*args)
+            try:
+                return fn(*args)
+            except DatabaseError:
+                if not _connected():
+                    connection.close()  # lost: the next call connects again
+                raise
 
     def _on_db(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(connection, *args)`` with ``_lock`` held: the saver's own connection on
@@ -583,6 +578,11 @@ class DurableSaver(BaseCheckpointSaver[int]):
             parent_config=_config(thread_id, ns, lg_parent) if lg_parent else None,
             pending_writes=writes,
         )
+
+
+def _connected() -> bool:
+    """Whether this thread's database connection is open and answers."""
+    return connection.connection is not None and connection.is_usable()
 
 
 def _config(thread_id: str, ns: str, lg_id: str) -> RunnableConfig:
