@@ -204,8 +204,8 @@ def pairs(turns: int, pause: float = 0.0, announce: bool = False) -> StateGraph:
     def node(name: str, wait: float):
         def run(state: Chat) -> dict:
             n = state.get("turns", 0)
-            if announce:
-                print(f"node {name} {n}", flush=True)
+            if announce:  # one write, so that the two nodes' lines never interleave
+                print(f"node {name} {n}\n", end="", flush=True)
             time.sleep(wait)
             text = f"{name}{n} " * 250
             return {"messages": [AIMessage(text, id=f"{name}-{n}")]}

@@ -56,7 +56,8 @@ class Child:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.popen.stdout:
@@ -81,6 +82,8 @@ class Child:
     def stop(self) -> None:
         if self.popen.poll() is None:
             self.kill()
+        self.reader.join(timeout=10)  # the pipe's end, once the process is gone
+        self.popen.stdout.close()
 
 
 def history(graph, cfg) -> list:

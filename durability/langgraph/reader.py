@@ -49,14 +49,7 @@ def each_state(run_id: Any, wanted: set[int], emit: Callable[[int, Any], None]) 
         if cp_id not in needed:
             continue
         if cp_id in texts:
-            text = texts[cp_id]
-            if checkpoints.seal(state_hash, text.encode()) != snapshots[cp_id]:
-                raise IntegrityViolation(
-                    f"checkpoint #{seq} does not verify: its snapshot does not match its digest",
-                    run_id=run_id,
-                    seq=seq,
-                )
-            state = canonical.loads(text)
+            state = _snapshot(run_id, seq, state_hash, texts[cp_id], snapshots[cp_id])
         else:
             base, base_hash = states[parent_id]
             pending[parent_id] -= 1
@@ -77,3 +70,14 @@ def each_state(run_id: Any, wanted: set[int], emit: Callable[[int, Any], None]) 
             emit(cp_id, state)
         if pending.get(cp_id):
             states[cp_id] = (state, state_hash)
+
+
+def _snapshot(run_id: Any, seq: int, state_hash: str, text: str, digest: str) -> Any:
+    """A snapshot's state, once its bytes are checked against its digest."""
+    if checkpoints.seal(state_hash, text.encode()) != digest:
+        raise IntegrityViolation(
+            f"checkpoint #{seq} does not verify: its snapshot does not match its digest",
+            run_id=run_id,
+            seq=seq,
+        )
+    return canonical.loads(text)

@@ -170,6 +170,7 @@ def commit(
     delta_run = new.parent.delta_run + len(ops_bytes)
     snapshot = needs_snapshot(delta_run, len(state_bytes))
     inline = snapshot and len(state_bytes) <= checkpoints.INLINE_SNAPSHOT_BYTES
+    row = _row(new, ops_bytes, count, state_bytes, state_hash, delta_run, inline)
     seq = new.seq
     for _ in range(100):
         chain = checkpoints.link(
@@ -182,29 +183,7 @@ def commit(
             schema_version=SCHEMA_VERSION,
             agent_version=AGENT_VERSION,
         )
-        row = {
-            "run": new.thread.run_id,
-            "head_seq": seq - 1,
-            "parent": new.parent.id,
-            "step": new.step,
-            "state_hash": state_hash,
-            "chain_hash": chain,
-            "size": len(state_bytes),
-            "delta_size": len(ops_bytes),
-            "delta_run": delta_run,
-            "commit_id": uuid.uuid4(),
-            "ops": ops_bytes.decode(),
-            "count": count,
-            "thread": new.thread.pk,
-            "lg_id": new.lg_id,
-            "lg_parent": new.parent_lg_id,
-            "metadata": canonical.dumps(new.metadata).decode(),
-            "data": canonical.dumps(
-                {"bytes": len(state_bytes), "delta": len(ops_bytes), "ops": count}
-            ).decode(),
-            "snapshot": state_bytes.decode() if inline else None,
-            "digest": checkpoints.seal(state_hash, state_bytes) if inline else "",
-        }
+        row.update(head_seq=seq - 1, chain_hash=chain, commit_id=uuid.uuid4())
         checkpoint_id = _insert(row, db, relaxed)
         if checkpoint_id is not None:
             break
@@ -224,6 +203,38 @@ def commit(
         doc,
         state_bytes,
     )
+
+
+def _row(
+    new: NewCheckpoint,
+    ops_bytes: bytes,
+    count: int,
+    state_bytes: bytes,
+    state_hash: str,
+    delta_run: int,
+    inline: bool,
+) -> dict[str, Any]:
+    """The commit statement's parameters, but the number and the chain hash."""
+    return {
+        "run": new.thread.run_id,
+        "parent": new.parent.id,
+        "step": new.step,
+        "state_hash": state_hash,
+        "size": len(state_bytes),
+        "delta_size": len(ops_bytes),
+        "delta_run": delta_run,
+        "ops": ops_bytes.decode(),
+        "count": count,
+        "thread": new.thread.pk,
+        "lg_id": new.lg_id,
+        "lg_parent": new.parent_lg_id,
+        "metadata": canonical.dumps(new.metadata).decode(),
+        "data": canonical.dumps(
+            {"bytes": len(state_bytes), "delta": len(ops_bytes), "ops": count}
+        ).decode(),
+        "snapshot": state_bytes.decode() if inline else None,
+        "digest": checkpoints.seal(state_hash, state_bytes) if inline else "",
+    }
 
 
 def _head_seq(db: Any, run_id: Any) -> int:
