@@ -15,25 +15,28 @@ Two of the benchmark's targets (bench/langgraph_saver.py: 200 supersteps each ap
 1 KB message, durability "sync", against LangGraph's PostgresSaver on the same database)
 are not met; bytes stored (0.07x, target 0.1x) and ``list`` (0.10x, target 1x) are.
 
-- Overhead per superstep: 0.65x PostgresSaver's (3.1 against 4.8 ms), target 0.33x. A
-  superstep here costs LangGraph's own checkpointing work (0.7 ms with its InMemorySaver,
-  the same graph), the saver's (encoding the changed values, the diff, two canonical dumps
-  of the state to prove the patch, the hashes: about 0.4 ms for a 300 KB state) and one
-  statement that commits the checkpoint (0.7 ms measured alone, flush included; about
-  1.4 ms inside a run, beside the writes' statement and LangGraph's threads on two cores).
-  The target allows 1.6 ms for all of it; LangGraph's share and one commit measured alone
-  already take 1.4 ms. Without the flush (``durability="relaxed"``) it is 0.54x: the round trip, not
-  the disk, is what is left. Folding a superstep's writes into the next checkpoint's
-  statement would save their statement (about 0.4 ms), but writes whose checkpoint never
-  comes (a ``Send`` stored by ``update_state``) would then be lost by a crash.
-- ``get_tuple`` of the latest checkpoint on a fresh saver: 2.4x PostgresSaver's (6.4
-  against 2.7 ms, PostgresSaver's taken on one saver whose statements are prepared). One
+- Overhead per superstep: 0.63x to 0.90x PostgresSaver's over four runs (3.1 against
+  4.8 ms in the first), target 0.33x. A superstep here costs LangGraph's own checkpointing
+  work (0.7 ms with its InMemorySaver, the same graph), the saver's (encoding the changed
+  values, the diff, two canonical dumps of the state to prove the patch, the hashes: about
+  0.4 ms for a 300 KB state) and one statement that commits the checkpoint (0.7 ms measured
+  alone, flush included; about 1.4 ms inside a run, beside the writes' statement and
+  LangGraph's threads on two cores). The target allows 1.6 ms for all of it; LangGraph's
+  share and one commit measured alone already take 1.4 ms. Without the flush
+  (``durability="relaxed"``) it is 0.44x to 0.57x: the round trip, not the disk, is what
+  is left. Folding a superstep's writes into the next checkpoint's statement would save
+  their statement (about 0.4 ms), but writes whose checkpoint never comes (a ``Send``
+  stored by ``update_state``) would then be lost by a crash.
+- ``get_tuple`` of the latest checkpoint on a fresh saver: 2.0x to 5.3x PostgresSaver's
+  (6.4 against 2.7 ms in the first run; PostgresSaver's is taken on one saver, whose
+  statements are prepared; the worst on a busy machine, this being Python's work). One
   statement reads the thread, the checkpoint, its snapshot and the patches after it (at
   most half a state of them) and its writes: about 2.5 ms, for 330 KB where PostgresSaver
   reads 220 KB of msgpack (each message here is base64 inside JSON, so that the rest of
   the state stays readable JSON); checking and applying the patches takes 0.6 ms, and
-  decoding the 200 messages 2.7 ms (PostgresSaver's decoding: 2 ms). On one saver called again, as
-  LangGraph calls it at each invocation, the state it holds is not read again: 1.4x.
+  decoding the 200 messages 2.7 ms (PostgresSaver's decoding: 2 ms). On one saver called
+  again, as LangGraph calls it at each invocation, the state it holds is not read again:
+  1.3x to 3.8x.
 """
 
 from __future__ import annotations
