@@ -42,6 +42,7 @@ PARTS = (
     "throughput",
     "tracing",
     "langgraph-state",
+    "langgraph",
     "api",
     "soak",
 )
@@ -165,6 +166,10 @@ def _part(name: str, bench: Bench) -> Callable[[], None]:
         from bench import overhead
 
         return lambda: overhead.run(bench)
+    if name == "langgraph":
+        from bench import langgraph_saver
+
+        return lambda: langgraph_saver.run(bench)
     if name == "storage":
         from bench import storage
 

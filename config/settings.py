@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "axes",
     "durability",
+    "durability.langgraph",
     "workers",
     "dashboard",
     "examples",

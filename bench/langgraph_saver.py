@@ -1,0 +1,194 @@
+"""LangGraph's own PostgresSaver against ``DurableSaver``, side by side on the same database:
+the same graph (200 supersteps, each appending one ~1 KB message) with durability "sync".
+
+Figures: per-superstep overhead (the graph's time minus the same graph without a
+checkpointer; also with DurableSaver's relaxed durability, which does not wait for the
+flush and so is shown without a target), bytes stored for the thread after the run (every
+row of it, as ``pg_column_size``), ``get_tuple`` of the latest checkpoint (a fresh saver
+each time, so nothing is served from memory; also one saver called again and again, as
+PostgresSaver's figure is taken, shown without a target) and ``list`` of every
+checkpoint. Medians of repeats.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from typing import Annotated, TypedDict
+
+from bench.common import Bench, fmt_ratio
+from bench.stats import median, ms, size, table
+
+STEPS = 200
+
+
+def _graph(steps: int):
+    from langchain_core.messages import AIMessage, AnyMessage
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.graph.message import add_messages
+
+    # Functional form: with postponed annotations, a class defined in a function would leave
+    # LangGraph names it cannot resolve.
+    Chat = TypedDict(  # noqa: UP013
+        "Chat", {"messages": Annotated[list[AnyMessage], add_messages], "turns": int}
+    )
+
+    def step(state: dict) -> dict:
+        n = state["turns"]
+        # Incompressible, as a model's text is to TOAST's compression.
+        text = secrets.token_urlsafe(750)
+        return {"messages": [AIMessage(text, id=f"m-{n}")], "turns": n + 1}
+
+    def route(state: dict) -> str:
+        return "step" if state["turns"] < steps else END
+
+    g = StateGraph(Chat)
+    g.add_node("step", step)
+    g.add_edge(START, "step")
+    g.add_conditional_edges("step", route, ["step", END])
+    return g
+
+
+def _invoke(graph, thread: str) -> float:
+    # "sync": each checkpoint stored before the next superstep (without a checkpointer
+    # there is nothing to wait for, and LangGraph refuses the option).
+    extra = {"durability": "sync"} if graph.checkpointer else {}
+    started = time.perf_counter()
+    graph.invoke(
+        {"messages": [], "turns": 0},
+        {"configurable": {"thread_id": thread}, "recursion_limit": 10_000},
+        **extra,
+    )
+    return time.perf_counter() - started
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return median(times)
+
+
+_PG_BYTES = """
+SELECT (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM checkpoints t WHERE thread_id = %(t)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM checkpoint_blobs t
+         WHERE thread_id = %(t)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM checkpoint_writes t
+         WHERE thread_id = %(t)s)
+"""
+_OUR_BYTES = """
+SELECT (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_run t WHERE id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_checkpoint t
+         WHERE run_id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_mutation t
+         JOIN durability_checkpoint c ON c.id = t.checkpoint_id WHERE c.run_id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_snapshot t
+         JOIN durability_checkpoint c ON c.id = t.checkpoint_id WHERE c.run_id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_event t
+         WHERE run_id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_langgraph_thread t
+         WHERE run_id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_langgraph_savedcheckpoint t
+         JOIN durability_checkpoint c ON c.id = t.checkpoint_id WHERE c.run_id = %(r)s)
+     + (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_langgraph_pendingwrite t
+         JOIN durability_langgraph_thread h ON h.id = t.thread_id WHERE h.run_id = %(r)s)
+"""
+
+
+def run(b: Bench) -> None:
+    from django.db import connection
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    from durability.langgraph import DurableSaver
+
+    steps = 50 if b.quick else STEPS
+    repeats = 3 if b.quick else 5
+    print(f"\n== LangGraph: PostgresSaver against DurableSaver, {steps} supersteps of 1 KB")
+    builder = _graph(steps)
+    bare = median([_invoke(builder.compile(), uuid.uuid4().hex) for _ in range(repeats)])
+    with PostgresSaver.from_conn_string(b.db_url) as pg:
+        pg.setup()
+        theirs = builder.compile(checkpointer=pg)
+        pg_threads = [uuid.uuid4().hex for _ in range(repeats)]
+        pg_time = median([_invoke(theirs, t) for t in pg_threads])
+        with connection.cursor() as cur:
+            cur.execute(_PG_BYTES, {"t": pg_threads[-1]})
+            pg_bytes = int(cur.fetchone()[0])
+        cfg = {"configurable": {"thread_id": pg_threads[-1]}}
+        pg_get = _timed(lambda: pg.get_tuple(cfg), 20)
+        pg_list = _timed(lambda: list(pg.list(cfg)), repeats)
+    saver = DurableSaver(graph="bench-langgraph")
+    ours = builder.compile(checkpointer=saver)
+    our_threads = [uuid.uuid4().hex for _ in range(repeats)]
+    our_time = median([_invoke(ours, t) for t in our_threads])
+    saver.close()
+    relaxed = DurableSaver(graph="bench-langgraph", durability="relaxed")
+    loose = builder.compile(checkpointer=relaxed)
+    relaxed_time = median([_invoke(loose, uuid.uuid4().hex) for _ in range(repeats)])
+    relaxed.close()
+    run_ = DurableSaver().run_of(our_threads[-1])
+    with connection.cursor() as cur:
+        cur.execute(_OUR_BYTES, {"r": run_.id})
+        our_bytes = int(cur.fetchone()[0])
+    cfg = {"configurable": {"thread_id": our_threads[-1]}}
+    gets = []
+    for _ in range(20):
+        fresh = DurableSaver()
+        fresh.get_tuple({"configurable": {"thread_id": "warm-up"}})
+        gets.append(_timed(lambda s=fresh: s.get_tuple(cfg), 1))
+        fresh.close()
+    our_get = median(gets)
+    lister = DurableSaver()
+    our_list = _timed(lambda: list(lister.list(cfg)), repeats)
+    # As PostgresSaver's figure is taken: one saver, called again and again (after its
+    # first call it holds the latest state, as a saver that wrote it does).
+    our_warm = _timed(lambda: lister.get_tuple(cfg), 20)
+    lister.close()
+    _report(
+        b,
+        steps,
+        bare,
+        (pg_time, our_time, relaxed_time),
+        (pg_bytes, our_bytes),
+        (pg_get, our_get, our_warm),
+        (pg_list, our_list),
+    )
+
+
+def _report(b: Bench, steps: int, bare: float, times, stored, gets, lists) -> None:
+    pg_over = max(times[0] - bare, 1e-9) / steps
+    our_over = max(times[1] - bare, 0.0) / steps
+    figures = [
+        ("overhead per superstep", ms(pg_over), ms(our_over), our_over / pg_over, 1 / 3, "<="),
+        ("bytes stored", size(stored[0]), size(stored[1]), stored[1] / stored[0], 0.1, "<="),
+        ("get_tuple, latest", ms(gets[0]), ms(gets[1]), gets[1] / gets[0], 1.0, "<="),
+        (f"list of {steps + 1}", ms(lists[0]), ms(lists[1]), lists[1] / lists[0], 1.0, "<="),
+    ]
+    # Not the same promise as PostgresSaver's (the checkpoint is not flushed before the next
+    # superstep), so shown without a target: what a graph gains by choosing it.
+    loose = max(times[2] - bare, 0.0) / steps
+    print(f"graph without a checkpointer: {ms(bare)} for {steps} supersteps")
+    rows = [[name, a, o, fmt_ratio(r), f"<= {fmt_ratio(t)}"] for name, a, o, r, t, _ in figures]
+    rows.append(
+        ["overhead, DurableSaver relaxed", ms(pg_over), ms(loose), fmt_ratio(loose / pg_over), ""]
+    )
+    warm = gets[2] / gets[0]
+    rows.append(["get_tuple, latest, same saver", ms(gets[0]), ms(gets[2]), fmt_ratio(warm), ""])
+    print(table(rows, ["figure", "PostgresSaver", "DurableSaver", "ratio", "target"]))
+    b.add(
+        "langgraph",
+        "overhead per superstep, durability relaxed (vs PostgresSaver)",
+        f"{ms(loose)}, {fmt_ratio(loose / pg_over)}",
+    )
+    b.add("langgraph", "get_tuple, latest, same saver", f"{ms(gets[2])}, {fmt_ratio(warm)}")
+    for name, _, ours, r, target, _ in figures:
+        b.add(
+            "langgraph",
+            f"{name} (vs PostgresSaver)",
+            f"{ours}, {fmt_ratio(r)}",
+            f"<= {fmt_ratio(target)}",
+            r <= target,
+        )

@@ -1,0 +1,186 @@
+"""One LangGraph checkpoint of a thread read in one statement, on PostgreSQL: the thread's
+run, the checkpoint (the latest, or one by its LangGraph id), every snapshot and patch its
+state is rebuilt from, and its pending writes. ``get_tuple`` and a ``put`` on a parent the
+saver does not hold in memory need nothing else, so a new saver pays one round trip where
+the ORM took five.
+
+The state is checked as ``checkpoints.verified_state`` checks it (the snapshot against its
+digest, each patch through the state hashes they chain, the result against the
+checkpoint's state hash, that hash against the chain), without dumping the rebuilt state
+again to hash it: the chained hashes cover the patches' bytes, and the snapshot's digest
+its bytes. A rebuild may start from a checkpoint whose state the saver already holds
+(proven when it was written or read), instead of from a snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from durability import canonical, checkpoints, diff
+from durability.errors import IntegrityViolation
+from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.models import Checkpoint, Mutation, Run, Snapshot
+
+
+@dataclass(slots=True)
+class Stored:
+    """What a saver keeps in memory of a stored checkpoint, to patch the next one on it.
+    ``doc`` is the saver's own: the next ``put`` patches it in place."""
+
+    id: int
+    seq: int
+    lg_id: str
+    state_hash: str
+    chain_hash: str
+    delta_run: int
+    size: int
+    doc: Any
+    # ``doc``'s canonical bytes, for the exact diff when the fast one misses; None until a
+    # ``put`` patches ``doc`` (a checkpoint that is only read never needs them).
+    data: bytes | None
+
+
+@dataclass(slots=True)
+class Found:
+    thread: int
+    run_id: Any
+    head_seq: int
+    stored: Stored | None
+    lg_parent: str
+    writes: list[tuple[str, int, str, str, str]]  # task id, idx, channel, task path, value
+
+
+_READ_TEMPLATE = """
+WITH RECURSIVE t AS (
+    SELECT h.id, h.run_id, r.head_seq FROM {thread} h JOIN {run} r ON r.id = h.run_id
+     WHERE h.thread_id = %(thread)s AND h.checkpoint_ns = %(ns)s
+), l AS (
+    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s JOIN t ON s.thread_id = t.id
+     WHERE %(lg)s = '' OR s.lg_id = %(lg)s
+     ORDER BY s.lg_id DESC LIMIT 1
+), chain(id, parent_id, depth, state_hash, stop) AS (
+    SELECT c.id, c.parent_id, 0, c.state_hash,
+           c.id = %(have)s
+           OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = c.id) IS NOT NULL
+      FROM {checkpoint} c JOIN l ON c.id = l.checkpoint_id
+    UNION ALL
+    SELECT p.id, p.parent_id, chain.depth + 1, p.state_hash,
+           p.id = %(have)s
+           OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = p.id) IS NOT NULL
+      FROM {checkpoint} p JOIN chain ON p.id = chain.parent_id
+     WHERE NOT chain.stop
+), path AS (
+    SELECT chain.id, chain.depth, chain.state_hash,
+           CASE WHEN chain.id = %(have)s THEN NULL
+                WHEN chain.stop
+                THEN (SELECT s.state FROM {snapshot} s WHERE s.checkpoint_id = chain.id)
+                ELSE (SELECT m.ops FROM {mutation} m WHERE m.checkpoint_id = chain.id) END AS text,
+           CASE WHEN chain.stop AND chain.id <> %(have)s
+                THEN (SELECT s.digest FROM {snapshot} s WHERE s.checkpoint_id = chain.id)
+           END AS digest
+      FROM chain
+), head AS (
+    SELECT t.id, t.run_id, t.head_seq, l.lg_id, l.lg_parent_id,
+           c.seq, c.state_hash, c.chain_hash, c.step, c.next_step, c.schema_version,
+           c.agent_version, c.delta_run, c.size,
+           coalesce(nullif(c.parent_chain, ''), p.chain_hash, ''),
+           (SELECT array_agg(ARRAY[w.task_id, w.idx::text, w.channel, w.task_path, w.value])
+              FROM {writes} w WHERE w.thread_id = t.id AND w.checkpoint_id = l.lg_id)
+      FROM t JOIN l ON true
+      JOIN {checkpoint} c ON c.id = l.checkpoint_id
+      LEFT JOIN {checkpoint} p ON p.id = c.parent_id
+)
+SELECT path.id, path.state_hash, path.text, path.digest, head.*
+  FROM path LEFT JOIN head ON path.depth = 0
+ ORDER BY path.depth DESC
+"""
+_READ = _READ_TEMPLATE.format(
+    thread=Thread._meta.db_table,
+    run=Run._meta.db_table,
+    saved=SavedCheckpoint._meta.db_table,
+    checkpoint=Checkpoint._meta.db_table,
+    snapshot=Snapshot._meta.db_table,
+    mutation=Mutation._meta.db_table,
+    writes=PendingWrite._meta.db_table,
+)
+
+_START = f"""
+SELECT id, state_hash, chain_hash, size FROM {Checkpoint._meta.db_table}
+ WHERE run_id = %(run)s AND seq = 0
+"""
+
+
+def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> Found | None:
+    """The namespace's checkpoint ``lg_id`` (the latest when empty) on the connection
+    ``db``; None when the namespace was never stored. ``have``: a checkpoint whose state
+    the caller holds, used (and patched in place) when the wanted one descends from it."""
+    params = {"thread": thread_id, "ns": ns, "lg": lg_id, "have": have.id if have else 0}
+    with db.cursor() as cur:
+        cur.execute(_READ, params)
+        rows = cur.fetchall()
+    if not rows:
+        return None
+    # Oldest first: the snapshot (or the state held), its patches, then the checkpoint
+    # itself, whose row carries the rest.
+    thread, run_id, head_seq, lg, lg_parent, *head = rows[-1][4:]
+    path = [row[:4] for row in rows]
+    writes = [(w[0], int(w[1]), w[2], w[3], w[4]) for w in head[-1] or []]
+    stored = _rebuilt(run_id, lg, head[:-1], path, have)
+    return Found(thread, run_id, head_seq, stored, lg_parent or "", writes)
+
+
+def start(db: Any, run_id: Any) -> Stored:
+    """The empty first checkpoint of a thread's run (the parent of its first ``put``)."""
+    with db.cursor() as cur:
+        cur.execute(_START, {"run": run_id})
+        cp_id, state_hash, chain_hash, size = cur.fetchone()
+    return Stored(cp_id, 0, "", state_hash, chain_hash, 0, size, {}, b"{}")
+
+
+def _rebuilt(run_id: Any, lg_id: str, head: list, path: list, have: Stored | None) -> Stored:
+    seq, state_hash, chain_hash, step, next_step, schema, version, delta_run, size = head[:9]
+    parent_chain = head[9]
+    ids = [row[0] for row in path]
+    if have is not None and ids == [have.id] and have.state_hash == state_hash:
+        return have  # the saver's own last checkpoint: proven when it was written
+    hashes, texts, digests = ([row[i] for row in path] for i in (1, 2, 3))
+    if texts[0] is None and (have is None or ids[0] != have.id):
+        raise _bad(run_id, seq, "it has no snapshot to be rebuilt from")
+    try:
+        if have is not None and ids[0] == have.id:
+            doc, base_hash = have.doc, have.state_hash
+        else:
+            if checkpoints.seal(hashes[0], texts[0].encode()) != digests[0]:
+                raise _bad(run_id, seq, "the snapshot it is rebuilt from does not match its digest")
+            doc, base_hash = canonical.loads(texts[0]), hashes[0]
+        ops: list = []
+        for patch in texts[1:]:
+            base_hash = canonical.patched(base_hash, patch.encode())
+            ops.extend(canonical.loads(patch))
+        if base_hash != state_hash:
+            raise _bad(run_id, seq, "the patches it is rebuilt from do not lead to its state hash")
+        doc = diff.apply_own(doc, ops)
+    except IntegrityViolation:
+        raise
+    except Exception as exc:  # a patch that no longer applies, bytes that no longer parse
+        raise _bad(run_id, seq, f"cannot be rebuilt ({type(exc).__name__}: {exc})") from None
+    linked = checkpoints.link(
+        parent_chain,
+        state_hash,
+        run_id=run_id,
+        seq=seq,
+        step=step,
+        next_step=next_step,
+        schema_version=schema,
+        agent_version=version,
+    )
+    if linked != chain_hash:
+        raise _bad(run_id, seq, "its chain hash does not match its contents")
+    # Patches since the last snapshot: none when the checkpoint has its own.
+    rebuilt_delta = delta_run if len(ids) > 1 else 0
+    return Stored(ids[-1], seq, lg_id, state_hash, chain_hash, rebuilt_delta, size, doc, None)
+
+
+def _bad(run_id: Any, seq: int, why: str) -> IntegrityViolation:
+    return IntegrityViolation(f"checkpoint #{seq} does not verify: {why}", run_id=run_id, seq=seq)

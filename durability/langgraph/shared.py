@@ -1,0 +1,67 @@
+"""A database connection a saver owns and uses from whichever thread LangGraph calls it on
+(one at a time): Django's connections belong to the thread that opened them."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
+
+from durability import checkpoints
+
+T = TypeVar("T")
+
+
+class Shared:
+    """A database connection of the saver's own, used from any thread, one at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._db: Any = None
+
+    def run(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
+        """``fn(connection)``, with this connection's lock held."""
+        with self.lock:
+            return self.use(fn, retry=retry)
+
+    def use(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
+        """``fn(connection)``; the caller holds the lock. A connection found broken after
+        an error is closed, so the next call connects again; with ``retry`` (for what is
+        safe to do twice) that next call is made at once."""
+        for again in (retry, False):
+            if self._db is None:
+                self._db = connections.create_connection(DEFAULT_DB_ALIAS)
+                self._db.inc_thread_sharing()
+            try:
+                return fn(self._db)
+            except DatabaseError:
+                if self._db.connection is not None and self._db.is_usable():
+                    raise
+                self.close()
+                if not again:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
+def shut(
+    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, owned: list[Shared]
+) -> None:
+    """Close a saver's snapshot thread, database connections and thread (``close``; also
+    when the saver is garbage-collected, and at exit)."""
+    snapshots.close()
+    for db in owned:
+        with db.lock:
+            db.close()
+    # At exit the executors may already be shut down: then there is nothing to close.
+    with contextlib.suppress(RuntimeError):
+        worker.submit(lambda: connection.close()).result()
+    worker.shutdown()

@@ -1,0 +1,319 @@
+"""The LangGraph checkpointer against LangGraph's contract: each documented pattern runs
+with ``DurableSaver`` and with LangGraph's ``InMemorySaver``, and the results, the history
+(``get_state_history``) and the pending writes must be the same."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import uuid
+
+import pytest
+from django.db import connection
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.types import Command
+
+from durability import operations
+from durability.langgraph import DurableSaver
+from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.models import Checkpoint, Run
+from tests import langgraph_graphs as graphs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def close_savers():
+    yield
+    gc.collect()  # each saver closes its connection as it goes
+
+
+def plain(result: dict) -> dict:
+    """A result without interrupt ids (made from random checkpoint ids)."""
+    out = dict(result)
+    if "__interrupt__" in out:
+        out["__interrupt__"] = [i.value for i in out["__interrupt__"]]
+    return out
+
+
+def config(thread: str | None = None) -> dict:
+    return {"configurable": {"thread_id": thread or uuid.uuid4().hex}}
+
+
+def history(graph, cfg) -> list:
+    """What a user sees of a thread's history, without ids and timestamps."""
+    return [
+        (
+            s.values,
+            s.next,
+            s.metadata.get("source"),
+            s.metadata.get("step"),
+            [(t.name, t.error is not None, [i.value for i in t.interrupts]) for t in s.tasks],
+        )
+        for s in graph.get_state_history(cfg)
+    ]
+
+
+def both(builder, **compile_kwargs):
+    return (
+        builder.compile(checkpointer=DurableSaver(), **compile_kwargs),
+        builder.compile(checkpointer=InMemorySaver(), **compile_kwargs),
+    )
+
+
+def run_of(cfg, ns: str = "") -> Run:
+    return Thread.objects.get(thread_id=cfg["configurable"]["thread_id"], checkpoint_ns=ns).run
+
+
+@pytest.mark.smoke
+def test_tool_loop_matches_in_memory_and_verifies():
+    ours, theirs = both(graphs.tool_loop())
+    a, b = config(), config()
+    assert ours.invoke(graphs.first_input(), a) == theirs.invoke(graphs.first_input(), b)
+    assert history(ours, a) == history(theirs, b)
+    run = run_of(a)
+    assert run.agent == "agent" and run.status == "waiting"
+    assert run.head_seq == len(history(ours, a))  # one checkpoint each, after the start
+    (report,) = operations.verify(run.id)
+    assert report.ok, str(report)
+    # A second turn on the same thread continues its conversation.
+    more = {"messages": [graphs.HumanMessage("again", id="human-1")], "turns": 0}
+    assert ours.invoke(more, a) == theirs.invoke(more, b)
+    assert history(ours, a) == history(theirs, b)
+
+
+@pytest.mark.smoke
+def test_interrupt_and_resume():
+    ours, theirs = both(graphs.approval())
+    a, b = config(), config()
+    first = plain(ours.invoke({"amount": 349, "decision": "", "done": False}, a))
+    assert first == plain(theirs.invoke({"amount": 349, "decision": "", "done": False}, b))
+    assert first["__interrupt__"] == [{"question": "refund?", "amount": 349}]
+    assert ours.get_state(a).next == ("ask",)
+    # The interrupt is a pending write of the checkpoint it happened on.
+    latest = SavedCheckpoint.objects.filter(thread__run=run_of(a)).order_by("-lg_id").first()
+    assert PendingWrite.objects.filter(
+        thread=latest.thread, checkpoint_id=latest.lg_id, channel="__interrupt__"
+    ).exists()
+    done = ours.invoke(Command(resume="yes"), a)
+    assert done == theirs.invoke(Command(resume="yes"), b)
+    assert done["done"] is True
+    assert history(ours, a) == history(theirs, b)
+
+
+def test_update_state_and_time_travel():
+    ours, theirs = both(graphs.tool_loop(turns=2))
+    results = []
+    for graph, cfg in ((ours, config()), (theirs, config())):
+        graph.invoke(graphs.first_input(), cfg)
+        # Back to the checkpoint before the first tool call ran, with an edited state.
+        states = list(graph.get_state_history(cfg))
+        target = next(s for s in states if s.next == ("tools",))
+        edited = graph.update_state(target.config, {"turns": 5})
+        results.append((graph.invoke(None, edited), history(graph, cfg)))
+        # Replaying an older checkpoint as it was (no edit) forks from it too.
+        replayed = graph.invoke(None, states[-2].config)
+        results[-1] += (replayed, history(graph, cfg))
+    assert results[0] == results[1]
+    ours_cfg = results  # the fork keeps every checkpoint: the history only grows
+    assert len(ours_cfg[0][3]) > len(ours_cfg[0][1])
+
+
+def test_time_travel_run_verifies():
+    graph = graphs.tool_loop(turns=2).compile(checkpointer=DurableSaver())
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    old = list(graph.get_state_history(cfg))[-3]
+    graph.invoke(None, graph.update_state(old.config, {"turns": 7}))
+    (report,) = operations.verify(run_of(cfg).id)
+    assert report.ok, str(report)
+
+
+def test_subgraph_namespaces_are_child_runs():
+    ours, theirs = both(graphs.with_subgraph())
+    a, b = config(), config()
+    assert plain(ours.invoke({"log": []}, a)) == plain(theirs.invoke({"log": []}, b))
+    mine = ours.get_state(a, subgraphs=True)
+    other = theirs.get_state(b, subgraphs=True)
+    assert mine.tasks[0].state.values == other.tasks[0].state.values
+    assert mine.tasks[0].state.next == other.tasks[0].state.next
+    assert ours.invoke(Command(resume="blue"), a) == theirs.invoke(Command(resume="blue"), b)
+    assert history(ours, a) == history(theirs, b)
+    root = run_of(a)
+    children = list(Run.objects.filter(parent_run=root))
+    assert children and all(c.langgraph_thread.checkpoint_ns.startswith("sub:") for c in children)
+    for run in [root, *children]:
+        (report,) = operations.verify(run.id)
+        assert report.ok, str(report)
+
+
+def test_parallel_branch_failure_keeps_the_other_branch_writes():
+    outcomes = []
+    for saver in (DurableSaver(), InMemorySaver()):
+        graph = graphs.branches().compile(checkpointer=saver)
+        cfg = config()
+        graphs.CALLS.clear()
+        graphs.FAIL["b"] = 1
+        with pytest.raises(RuntimeError, match="b failed"):
+            graph.invoke({"log": []}, cfg)
+        state = graph.get_state(cfg)
+        writes = sorted(
+            (w[1], w[2]) for w in saver.get_tuple(cfg).pending_writes if w[1] != "__error__"
+        )
+        errors = [t.name for t in state.tasks if t.error is not None]
+        final = graph.invoke(None, cfg)
+        outcomes.append(
+            (writes, errors, state.next, final, dict(graphs.CALLS), history(graph, cfg))
+        )
+    assert outcomes[0] == outcomes[1]
+    # a's write was kept, so resuming ran only b again.
+    assert outcomes[0][4]["a"] == 1 and outcomes[0][4]["b"] == 2
+
+
+@pytest.mark.smoke
+def test_a_new_saver_continues_from_the_last_checkpoint():
+    """A crash between supersteps: another saver (another process) takes the thread up from
+    its last checkpoint; the finished supersteps are not run again."""
+    graphs.CALLS.clear()
+    graphs.FAIL["b"] = 1
+    cfg = config()
+    graph = graphs.branches().compile(checkpointer=DurableSaver())
+    with pytest.raises(RuntimeError):
+        graph.invoke({"log": []}, cfg)
+    fresh = graphs.branches().compile(checkpointer=DurableSaver())
+    assert fresh.invoke(None, cfg) == {"log": ["a", "b", "join"]}
+    assert graphs.CALLS == {"a": 1, "b": 2, "join": 1}
+
+
+def test_async_matches_in_memory():
+    async def go(graph, cfg):
+        first = await graph.ainvoke({"amount": 20, "decision": "", "done": False}, cfg)
+        second = await graph.ainvoke(Command(resume="no"), cfg)
+        states = [s.values async for s in graph.aget_state_history(cfg)]
+        loop = graphs.tool_loop().compile(checkpointer=graph.checkpointer)
+        third = await loop.ainvoke(graphs.first_input(), config())
+        return first["__interrupt__"][0].value, second, states, third
+
+    ours, theirs = both(graphs.approval())
+    assert asyncio.run(go(ours, config())) == asyncio.run(go(theirs, config()))
+
+
+def test_list_filter_before_limit_and_delete():
+    saver = DurableSaver()
+    graph = graphs.tool_loop().compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    every = list(saver.list(cfg))
+    assert [t.metadata["step"] for t in every] == list(range(len(every) - 2, -2, -1))
+    assert [t.metadata["step"] for t in saver.list(cfg, filter={"source": "input"})] == [-1]
+    assert len(list(saver.list(cfg, limit=2))) == 2
+    before = list(saver.list(cfg, before=every[2].config))
+    assert [t.config for t in before] == [t.config for t in every[3:]]
+    for listed in every:
+        got = saver.get_tuple(listed.config)
+        assert got.checkpoint == listed.checkpoint and got.metadata == listed.metadata
+    run = run_of(cfg)
+    saver.delete_thread(cfg["configurable"]["thread_id"])
+    assert saver.get_tuple(cfg) is None and not list(saver.list(cfg))
+    assert not Run.objects.filter(pk=run.pk).exists()
+    assert not Checkpoint.objects.filter(run_id=run.pk).exists()
+
+
+def test_prune_keep_latest_and_bad_input():
+    saver = DurableSaver()
+    graph = graphs.tool_loop().compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    head = graph.get_state(cfg).values
+    with pytest.raises(TypeError):
+        saver.prune(cfg["configurable"]["thread_id"])
+    with pytest.raises(ValueError, match="unknown prune strategy"):
+        saver.prune([cfg["configurable"]["thread_id"]], strategy="most")
+    saver.prune([cfg["configurable"]["thread_id"]])
+    assert len(list(saver.list(cfg))) == 1
+    assert DurableSaver().get_tuple(cfg).parent_config is None
+    assert graph.get_state(cfg).values == head
+    with pytest.raises(ValueError, match="graph must be"):
+        DurableSaver(graph="")
+    with pytest.raises(ValueError, match="durability must be 'strict' or 'relaxed'"):
+        DurableSaver(durability="sync")
+    with pytest.raises(NotImplementedError):
+        saver.copy_thread("a", "b")
+
+
+def test_appending_a_message_stores_about_one_message():
+    graph = graphs.appender(40, size=1000).compile(checkpointer=DurableSaver())
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    run = run_of(cfg)
+    last = Checkpoint.objects.filter(run=run).order_by("-seq").first()
+    assert last.size > 40_000
+    assert last.delta_size < 2_500, last.delta_size
+    (report,) = operations.verify(run.id)
+    assert report.ok, str(report)
+    values = graph.get_state(cfg).values
+    assert [m.id for m in values["messages"]][-2:] == ["m-38", "m-39"]
+
+
+def test_a_number_changing_type_is_stored_exactly():
+    """[1, 2] -> [1.0, 2] -> [True, 2] are equal to Python's ``==``: the patch must still
+    carry each change, or a new process would read back the wrong types."""
+    ours, theirs = both(graphs.number_types())
+    a, b = config(), config()
+    assert ours.invoke({"nums": [1, 2], "step": 0}, a) == theirs.invoke(
+        {"nums": [1, 2], "step": 0}, b
+    )
+
+    def typed(graph, cfg):
+        return [
+            [type(x).__name__ for x in s.values.get("nums", [])]
+            for s in graph.get_state_history(cfg)
+        ]
+
+    fresh = graphs.number_types().compile(checkpointer=DurableSaver())
+    assert typed(fresh, a) == typed(theirs, b)
+    assert [type(x) for x in fresh.get_state(a).values["nums"]] == [int, float]
+    (report,) = operations.verify(run_of(a).id)
+    assert report.ok, str(report)
+
+
+@pytest.mark.smoke
+def test_relaxed_durability_stores_the_same_checkpoints():
+    ours = graphs.tool_loop().compile(checkpointer=DurableSaver(durability="relaxed"))
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    a, b = config(), config()
+    assert ours.invoke(graphs.first_input(), a) == theirs.invoke(graphs.first_input(), b)
+    fresh = graphs.tool_loop().compile(checkpointer=DurableSaver())
+    assert history(fresh, a) == history(theirs, b)
+    (report,) = operations.verify(run_of(a).id)
+    assert report.ok, str(report)
+
+
+def test_a_lost_connection_is_made_again():
+    """The server drops every connection of the saver (a restart, a failover, an idle
+    timeout): reads connect again and retry, and the graph goes on."""
+    if connection.vendor != "postgresql":
+        pytest.skip("ending another session's backend needs PostgreSQL")
+    saver = DurableSaver()
+    graph = graphs.tool_loop().compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    before = len(list(saver.list(cfg)))
+
+    def drop_all() -> None:
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+
+    drop_all()
+    assert saver.get_tuple(cfg).metadata["step"] == before - 2
+    assert len(list(saver.list(cfg))) == before
+    drop_all()
+    more = {"messages": [graphs.HumanMessage("again", id="human-1")], "turns": 0}
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    other = config()
+    theirs.invoke(graphs.first_input(), other)
+    assert graph.invoke(more, cfg) == theirs.invoke(more, other)
+    assert history(graph, cfg) == history(theirs, other)
