@@ -123,6 +123,12 @@ def test_every_declared_setting_is_documented_with_its_default():
     assert not wrong, f"documented with another default: {wrong}"
 
 
+def test_every_declared_setting_is_in_env_example():
+    listed = set(re.findall(r"^(DURABILITY_\w+)=", (ROOT / ".env.example").read_text(), re.M))
+    declared = {setting.name for group in GROUPS for setting in group.declared()}
+    assert declared <= listed, f"not in .env.example: {sorted(declared - listed)}"
+
+
 def settings_reads(path: Path) -> list[str]:
     """The DURABILITY_ settings ``path`` reads from Django's settings object directly:
     ``settings.DURABILITY_X`` or ``getattr(settings, "DURABILITY_X", ...)``."""
