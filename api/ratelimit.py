@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
+from api.conf import conf
 from api.models import ApiToken
 from api.problems import Problem
 from durability.store import store
@@ -19,8 +19,8 @@ from durability.store import store
 
 def limits() -> tuple[int, float]:
     """(requests, per seconds), from ``DURABILITY_API_RATE_LIMIT`` (e.g. ``"600/60"``)."""
-    text = str(getattr(settings, "DURABILITY_API_RATE_LIMIT", "600/60"))
-    count, _, seconds = text.partition("/")
+    text = conf.API_RATE_LIMIT
+    count, _, seconds = text.strip().partition("/")
     return int(count), float(seconds or 60)
 
 

@@ -199,8 +199,9 @@ def run(b: Bench) -> None:
 
 
 def _engine_settings(b: Bench) -> None:
-    from django.conf import settings
     from django.db import connection
+
+    from durability.conf import conf
 
     with connection.cursor() as cur:
         cur.execute("SHOW synchronous_commit")
@@ -209,8 +210,8 @@ def _engine_settings(b: Bench) -> None:
         fsync = cur.fetchone()[0]
         cur.execute("SHOW wal_sync_method")
         sync_method = cur.fetchone()[0]
-    prepared = getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True)
-    ahead = getattr(settings, "DURABILITY_SEND_AHEAD", True)
+    prepared = conf.PREPARED_STATEMENTS
+    ahead = conf.SEND_AHEAD
     print(
         f"engine session: synchronous_commit={sync_commit}, fsync={fsync},"
         f" wal_sync_method={sync_method}; commit statement prepared: {prepared};"

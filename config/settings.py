@@ -12,6 +12,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from api.conf import Api
 from config.env import (
     env_bool,
     env_float,
@@ -21,9 +22,22 @@ from config.env import (
     generated_secret,
     private_dir,
 )
+from dashboard.conf import Dashboard
+from durability.conf import Engine
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(env_str("DURABILITY_VAR_DIR", str(BASE_DIR / "var")))
+
+# The DURABILITY_ settings are declared, with their types and defaults, where they are read:
+# durability/conf.py (the engine), dashboard/conf.py and api/conf.py. Here: their plain
+# defaults (a set setting reads faster than a missing one), then what the environment sets.
+_environment: dict = {}
+for _group in (Engine, Dashboard, Api):
+    globals().update(_group.defaults())
+    _environment.update(_group.from_environment())
+globals().update(_environment)
+# The embedded default's files live in the checkout's var/, wherever a process starts.
+DURABILITY_VAR_DIR = _environment.get("DURABILITY_VAR_DIR", str(BASE_DIR / "var"))
+VAR_DIR = Path(DURABILITY_VAR_DIR)
 
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
@@ -272,88 +286,23 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
     "durability-sweep": {
         "task": "durability.sweep",
-        "schedule": env_float("DURABILITY_SWEEP_SECONDS", 2.0),
+        "schedule": Engine.SWEEP_SECONDS.value_in(globals()),
         "options": {"expires": 30},
     },
     # Retention policies (per agent: keep_days, keep_checkpoints).
     "durability-prune": {
         "task": "durability.prune",
-        "schedule": env_float("DURABILITY_PRUNE_SECONDS", 3600.0),
+        "schedule": Engine.PRUNE_SECONDS.value_in(globals()),
         "options": {"expires": 600},
     },
 }
 
 # --- The engine -----------------------------------------------------------------------------
+# Its settings (leases, limits, blobs, keys, metrics, SLO targets...) are declared in
+# durability/conf.py and applied from the environment above; docs/configuration.md lists them.
 
-# Modules whose import registers agents (like Celery's autodiscovery).
-DURABILITY_AGENT_MODULES = env_list("DURABILITY_AGENT_MODULES", ["examples.agents"])
-# A lease lives this long without a heartbeat; long enough for GC pauses and stalls. A dead
-# process is noticed much sooner through its liveness lock (see durability/leases.py).
-DURABILITY_LEASE_SECONDS = env_float("DURABILITY_LEASE_SECONDS", 30.0)
-DURABILITY_HEARTBEAT_SECONDS = env_float(
-    "DURABILITY_HEARTBEAT_SECONDS", DURABILITY_LEASE_SECONDS / 3
-)
-# After a database restart (every session, so every liveness lock, gone at once) a missing
-# lock is not yet a death: a live worker takes its lock back within a heartbeat and this.
-# Also how long beyond a heartbeat a lock holder's session must stay idle to count as stalled.
-DURABILITY_RECONNECT_MARGIN_SECONDS = env_float("DURABILITY_RECONNECT_MARGIN_SECONDS", 5.0)
-# A queued run nobody claimed for this long has its doorbell rung again.
-DURABILITY_REQUEUE_SECONDS = env_float("DURABILITY_REQUEUE_SECONDS", 10.0)
-# Claims in a row that ended with the worker dying before the run fails as a poison step.
-DURABILITY_POISON_ATTEMPTS = env_int("DURABILITY_POISON_ATTEMPTS", 5)
-DURABILITY_MAX_STATE_BYTES = env_int("DURABILITY_MAX_STATE_BYTES", 16 * 1024 * 1024)
-DURABILITY_MAX_INPUT_BYTES = env_int("DURABILITY_MAX_INPUT_BYTES", 1024 * 1024)
-# A worker gives the broker back a long run after this long, so runs share workers fairly.
-DURABILITY_SLICE_SECONDS = env_float("DURABILITY_SLICE_SECONDS", 60.0)
-# On SIGTERM a worker lets the current step finish for this long, then abandons it.
-DURABILITY_SHUTDOWN_GRACE_SECONDS = env_float("DURABILITY_SHUTDOWN_GRACE_SECONDS", 10.0)
-# Runs at the "replicated" level: a commit the synchronous standby has not confirmed after
-# this long is kept (it is durable on the primary) and an alarm is raised.
-DURABILITY_REPLICATION_TIMEOUT_SECONDS = env_float("DURABILITY_REPLICATION_TIMEOUT_SECONDS", 10.0)
-# A worker whose agent version cannot continue a run hands it back for this long (a rolling
-# deploy: a worker with a compatible version takes it meanwhile).
-DURABILITY_VERSION_RETRY_SECONDS = env_float("DURABILITY_VERSION_RETRY_SECONDS", 30.0)
-# Strings in a state longer than this are kept once, by content, in the blob store (a local
-# folder, or the Django storage alias DURABILITY_BLOB_STORAGE names, such as S3).
-DURABILITY_BLOB_BYTES = env_int("DURABILITY_BLOB_BYTES", 256 * 1024)
-DURABILITY_BLOB_DIR = env_str("DURABILITY_BLOB_DIR", str(VAR_DIR / "blobs"))
-DURABILITY_BLOB_STORAGE = env_str("DURABILITY_BLOB_STORAGE", "")
-# Retention deletes blobs nothing refers to once they are this old (longer than any step:
-# a step stores its blobs before its checkpoint commits).
-DURABILITY_BLOB_GC_GRACE_SECONDS = env_float("DURABILITY_BLOB_GC_GRACE_SECONDS", 86400.0)
-# /metrics (Prometheus text): a bearer token scrapers must send (open when empty), and the
-# window its latency and recovery figures cover.
-DURABILITY_METRICS_TOKEN = env_str("DURABILITY_METRICS_TOKEN", "")
-DURABILITY_METRICS_WINDOW_SECONDS = env_float("DURABILITY_METRICS_WINDOW_SECONDS", 300.0)
-# How long a publish to the broker may take before the caller goes on without it (the
-# sweeper rings again for runs left unclaimed).
-DURABILITY_RING_TIMEOUT_SECONDS = env_float("DURABILITY_RING_TIMEOUT_SECONDS", 5.0)
-# How long one computed /metrics answer is served again (0: computed on every scrape).
-DURABILITY_METRICS_CACHE_SECONDS = env_float("DURABILITY_METRICS_CACHE_SECONDS", 5.0)
-# Shared rate limits for named resources, respected by every worker:
-# "openai=60/min,search=5/s" (agents attach them to call keys with Agent(limits=...)).
-DURABILITY_RATE_LIMITS = env_str("DURABILITY_RATE_LIMITS", "")
-# Workers announce the agent versions they run this often (a rolling deploy routes each run
-# to one that can continue it; an announcement older than three rounds is stale).
-DURABILITY_PRESENCE_SECONDS = env_float("DURABILITY_PRESENCE_SECONDS", 15.0)
-# PostgreSQL: a step's checkpoint is sent and the next step starts computing before the
-# answer is in (nothing it does leaves the process until then). It uses one more database
-# connection per worker process. Off: each commit is waited for where it is made.
-DURABILITY_SEND_AHEAD = env_bool("DURABILITY_SEND_AHEAD", True)
-# The commit statement is prepared once per connection. Turn off behind a pooler that
-# shares sessions between clients (PgBouncer in transaction mode).
-DURABILITY_PREPARED_STATEMENTS = env_bool("DURABILITY_PREPARED_STATEMENTS", True)
-# A worker whose database went away waits this long for it before giving the run up.
-DURABILITY_DB_WAIT_SECONDS = env_float("DURABILITY_DB_WAIT_SECONDS", 300.0)
-# Detecting tampering (not only corruption) needs a key kept outside the database.
-DURABILITY_HMAC_KEY = env_str("DURABILITY_HMAC_KEY", "")
-# Earlier keys a replay still accepts for the keyed hashes of call and effect arguments, so
-# rotating a key does not turn in-flight steps into non-determinism errors (the checkpoint
-# chain has no fallback: never change DURABILITY_HMAC_KEY without re-keying it).
-DURABILITY_HMAC_KEY_FALLBACKS = env_list("DURABILITY_HMAC_KEY_FALLBACKS", [])
+# Earlier SECRET_KEYs Django (and argument hashes without DURABILITY_HMAC_KEY) still accept.
 SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
-DURABILITY_SECRET_KEY_PATTERN = env_str("DURABILITY_SECRET_KEY_PATTERN", "")
-DURABILITY_LOCK_DIR = env_str("DURABILITY_LOCK_DIR", str(VAR_DIR / "locks"))
 
 # --- Dashboard ------------------------------------------------------------------------------
 # Server-rendered pages (Django templates + htmx). Every page needs a login; viewers read,
@@ -382,56 +331,10 @@ SECURE_CSP = {
     "frame-ancestors": [CSP.NONE],
 }
 
-# Links in notifications point here.
-DURABILITY_DASHBOARD_URL = env_str("DURABILITY_DASHBOARD_URL", "http://127.0.0.1:8000")
-# A run's page links to its trace when this is set, e.g. Jaeger's
-# "http://127.0.0.1:16686/trace/{trace_id}".
-DURABILITY_TRACE_URL = env_str("DURABILITY_TRACE_URL", "")
-
-# The JSON API: requests per window per token, "<count>/<seconds>".
-DURABILITY_API_RATE_LIMIT = env_str("DURABILITY_API_RATE_LIMIT", "600/60")
-_count, _, _window = DURABILITY_API_RATE_LIMIT.partition("/")
-if not (_count.isdigit() and int(_count) > 0 and _window.isdigit() and int(_window) > 0):
-    raise ImproperlyConfigured(
-        f"DURABILITY_API_RATE_LIMIT must be <requests>/<seconds>, e.g. 600/60, not"
-        f" {DURABILITY_API_RATE_LIMIT!r}"
-    )
-
-# Durability SLO targets (durability/slo.py): each indicator is shown against its target with
-# the error budget left over the chosen window.
-DURABILITY_SLO_TARGETS = {
-    # Share of checkpoint commits that succeed at the first attempt.
-    "commit_success": env_float("DURABILITY_SLO_COMMIT_SUCCESS", 0.999),
-    # 99th percentile of checkpoint commit latency, in milliseconds.
-    "commit_latency_p99_ms": env_float("DURABILITY_SLO_COMMIT_P99_MS", 100.0),
-    # 95th percentile of recovery time (lost lease to resumed), in seconds.
-    "recovery_p95_s": env_float("DURABILITY_SLO_RECOVERY_P95_S", 30.0),
-    # 95th percentile of work lost per recovery (last checkpoint to failure), in seconds.
-    "work_lost_p95_s": env_float("DURABILITY_SLO_WORK_LOST_P95_S", 60.0),
-    # Effects in doubt at any moment.
-    "effects_in_doubt_max": env_int("DURABILITY_SLO_EFFECTS_IN_DOUBT_MAX", 0),
-    # 95th percentile of the wait for an approval decision, in minutes.
-    "approval_wait_p95_min": env_float("DURABILITY_SLO_APPROVAL_WAIT_P95_MIN", 60.0),
-    # Share of finished runs (cancelled ones aside) that succeed.
-    "run_success": env_float("DURABILITY_SLO_RUN_SUCCESS", 0.95),
-}
-
-# Notifications: a webhook (JSON, or a Slack-compatible body) and/or email when an approval is
-# requested or waits too long, a run fails, or an effect goes in doubt. Once per event, retried
-# with backoff, each delivery recorded (dashboard.models.Notification).
-DURABILITY_NOTIFY_WEBHOOK_URL = env_str("DURABILITY_NOTIFY_WEBHOOK_URL", "")
-DURABILITY_NOTIFY_WEBHOOK_FORMAT = env_str("DURABILITY_NOTIFY_WEBHOOK_FORMAT", "json")
-DURABILITY_NOTIFY_EMAIL_TO = env_list("DURABILITY_NOTIFY_EMAIL_TO", [])
-DURABILITY_NOTIFY_MAX_ATTEMPTS = env_int("DURABILITY_NOTIFY_MAX_ATTEMPTS", 8)
-# An approval without a deadline that has waited this long gets a second notification.
-DURABILITY_NOTIFY_APPROVAL_OVERDUE_MINUTES = env_float(
-    "DURABILITY_NOTIFY_APPROVAL_OVERDUE_MINUTES", 45.0
-)
-# An approval with a deadline gets a warning this long before its policy decides for it.
-DURABILITY_NOTIFY_APPROVAL_EXPIRING_MINUTES = env_float(
-    "DURABILITY_NOTIFY_APPROVAL_EXPIRING_MINUTES", 10.0
-)
-DURABILITY_NOTIFY_SECONDS = env_float("DURABILITY_NOTIFY_SECONDS", 10.0)
+# Notifications (dashboard/conf.py declares their settings): a webhook (JSON, or a
+# Slack-compatible body) and/or email when an approval is requested or waits too long, a run
+# fails, or an effect goes in doubt. Once per event, retried with backoff, each delivery
+# recorded (dashboard.models.Notification).
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "durability@localhost")
 # Django 6.1's MAILERS (the EMAIL_* settings are deprecated): SMTP from the environment.
 MAILERS = {
@@ -447,9 +350,11 @@ MAILERS = {
         },
     }
 }
-if DURABILITY_NOTIFY_WEBHOOK_URL or DURABILITY_NOTIFY_EMAIL_TO:
+if Dashboard.NOTIFY_WEBHOOK_URL.value_in(globals()) or Dashboard.NOTIFY_EMAIL_TO.value_in(
+    globals()
+):
     CELERY_BEAT_SCHEDULE["dashboard-notify"] = {
         "task": "dashboard.notify",
-        "schedule": DURABILITY_NOTIFY_SECONDS,
+        "schedule": Dashboard.NOTIFY_SECONDS.value_in(globals()),
         "options": {"expires": 60},
     }

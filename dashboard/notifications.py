@@ -29,6 +29,7 @@ from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
+from dashboard.conf import conf
 from dashboard.models import Channel, Notification, NotificationKind, NotificationStatus
 from durability import approvals, canonical
 from durability.models import Approval, ApprovalStatus, Event, EventKind, Run
@@ -53,15 +54,15 @@ TIMEOUT_SECONDS = 10
 
 def channels() -> list[str]:
     found = []
-    if getattr(settings, "DURABILITY_NOTIFY_WEBHOOK_URL", ""):
+    if conf.NOTIFY_WEBHOOK_URL:
         found.append(Channel.WEBHOOK)
-    if getattr(settings, "DURABILITY_NOTIFY_EMAIL_TO", []):
+    if conf.NOTIFY_EMAIL_TO:
         found.append(Channel.EMAIL)
     return found
 
 
 def run_url(run_id: Any) -> str:
-    base = getattr(settings, "DURABILITY_DASHBOARD_URL", "http://127.0.0.1:8000").rstrip("/")
+    base = conf.DASHBOARD_URL.rstrip("/")
     return base + reverse("dashboard:run", args=[run_id])
 
 
@@ -182,7 +183,7 @@ def collect(now: Any = None) -> int:
         .order_by("id")
     )
     messages = [m for m in map(_from_event, events) if m is not None]
-    minutes = float(getattr(settings, "DURABILITY_NOTIFY_APPROVAL_OVERDUE_MINUTES", 45.0))
+    minutes = conf.NOTIFY_APPROVAL_OVERDUE_MINUTES
     # Without a deadline: a second word once it has waited too long. With one: a warning
     # shortly before the policy decides on the operators' behalf.
     overdue = Approval.objects.filter(
@@ -191,7 +192,7 @@ def collect(now: Any = None) -> int:
         requested_at__lte=now - timedelta(minutes=minutes),
     ).select_related("run")
     messages += [_overdue(a, minutes) for a in overdue]
-    warn = float(getattr(settings, "DURABILITY_NOTIFY_APPROVAL_EXPIRING_MINUTES", 10.0))
+    warn = conf.NOTIFY_APPROVAL_EXPIRING_MINUTES
     expiring = Approval.objects.filter(
         status=ApprovalStatus.PENDING, deadline__lte=now + timedelta(minutes=warn)
     ).select_related("run")
@@ -239,7 +240,7 @@ def slack_escape(text: str) -> str:
 
 def webhook_body(note: Notification) -> bytes:
     document = json.loads(note.body)
-    if getattr(settings, "DURABILITY_NOTIFY_WEBHOOK_FORMAT", "json") == "slack":
+    if conf.NOTIFY_WEBHOOK_FORMAT == "slack":
         text = f"{slack_escape(document['text'])} <{document['url']}|Open the run>"
         return json.dumps(
             {
@@ -252,7 +253,7 @@ def webhook_body(note: Notification) -> bytes:
 
 def _send_webhook(note: Notification) -> None:
     request = urllib.request.Request(
-        settings.DURABILITY_NOTIFY_WEBHOOK_URL,
+        conf.NOTIFY_WEBHOOK_URL,
         data=webhook_body(note),
         headers={
             "Content-Type": "application/json",
@@ -279,7 +280,7 @@ def _send_email(note: Notification) -> None:
             one_line(f"[durability] {note.subject}")[:250],
             body,
             settings.DEFAULT_FROM_EMAIL,
-            list(settings.DURABILITY_NOTIFY_EMAIL_TO),
+            list(conf.NOTIFY_EMAIL_TO),
         )
     except OSError as exc:  # smtplib's errors are OSErrors
         raise DeliveryError(f"{type(exc).__name__}: {exc}") from None
@@ -295,7 +296,7 @@ def backoff(attempts: int) -> timedelta:
 def deliver(limit: int = 100) -> dict[str, int]:
     """Send the notifications that are due; returns counts by outcome."""
     counts = {"sent": 0, "retry": 0, "failed": 0}
-    max_attempts = int(getattr(settings, "DURABILITY_NOTIFY_MAX_ATTEMPTS", 8))
+    max_attempts = conf.NOTIFY_MAX_ATTEMPTS
     for _ in range(limit):
         with transaction.atomic():
             note = (

@@ -8,10 +8,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.conf import settings
 from django.db.models import F
 
 from dashboard import diffview, present, states
+from dashboard.conf import conf
 from durability import canonical
 from durability.models import (
     FINISHED,
@@ -170,7 +170,7 @@ def trace_of(run: Run) -> Trace | None:
     parts = (getattr(run, "trace_parent", "") or "").split("-")
     if len(parts) != 4 or len(parts[1]) != 32:
         return None
-    template = getattr(settings, "DURABILITY_TRACE_URL", "")
+    template = conf.TRACE_URL
     return Trace(parts[1], template.replace("{trace_id}", parts[1]) if template else "")
 
 

@@ -22,6 +22,7 @@ import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from durability.conf import conf
 from durability.errors import AgentDefinitionError, SchemaViolation, UnknownAgent
 from durability.policies import (
     DurabilityPolicy,
@@ -475,9 +476,7 @@ class Registry:
         if self._discovered and modules is None:
             return
         if modules is None:
-            from django.conf import settings
-
-            modules = getattr(settings, "DURABILITY_AGENT_MODULES", [])
+            modules = conf.AGENT_MODULES
             self._discovered = True
         for module in modules:
             importlib.import_module(module)

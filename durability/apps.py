@@ -1,6 +1,8 @@
 from django.apps import AppConfig
 from django.core import checks
 
+from durability.conf import conf
+
 
 class DurabilityConfig(AppConfig):
     name = "durability"
@@ -29,8 +31,8 @@ def check_settings(app_configs=None, **kwargs):
     from django.conf import settings
 
     problems = []
-    lease = float(settings.DURABILITY_LEASE_SECONDS)
-    beat = float(settings.DURABILITY_HEARTBEAT_SECONDS)
+    lease = conf.LEASE_SECONDS
+    beat = conf.HEARTBEAT_SECONDS
     if beat <= 0 or lease <= 0:
         problems.append(
             checks.Error(
@@ -47,7 +49,7 @@ def check_settings(app_configs=None, **kwargs):
                 id="durability.W001",
             )
         )
-    if settings.DURABILITY_POISON_ATTEMPTS < 1:
+    if conf.POISON_ATTEMPTS < 1:
         problems.append(
             checks.Error("DURABILITY_POISON_ATTEMPTS must be at least 1", id="durability.E002")
         )

@@ -27,9 +27,8 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from django.conf import settings
-
 from durability import redact
+from durability.conf import conf
 from durability.errors import IntegrityViolation, InvalidInput
 
 KEY = "$blob"
@@ -40,7 +39,7 @@ def is_ref(value: Any) -> bool:
 
 
 def threshold() -> int:
-    return int(getattr(settings, "DURABILITY_BLOB_BYTES", 256 * 1024))
+    return conf.BLOB_BYTES
 
 
 def _name(digest: str) -> str:
@@ -58,7 +57,7 @@ def put(value: str | bytes) -> dict:
     else:
         raise InvalidInput(f"a blob is text or bytes, not {type(value).__name__}")
     digest = hashlib.sha256(data).hexdigest()
-    alias = getattr(settings, "DURABILITY_BLOB_STORAGE", "")
+    alias = conf.BLOB_STORAGE
     if alias:
         from django.core.files.base import ContentFile
         from django.core.files.storage import storages
@@ -76,7 +75,7 @@ def put(value: str | bytes) -> dict:
 
 
 def _folder() -> str:
-    return str(getattr(settings, "DURABILITY_BLOB_DIR", "") or settings.VAR_DIR / "blobs")
+    return conf.BLOB_DIR
 
 
 def _put_local(digest: str, data: bytes) -> None:
@@ -111,7 +110,7 @@ def get(ref: dict) -> str | bytes:
     if not is_ref(ref):
         raise InvalidInput("not a blob reference")
     digest = ref[KEY]
-    alias = getattr(settings, "DURABILITY_BLOB_STORAGE", "")
+    alias = conf.BLOB_STORAGE
     try:
         if alias:
             from django.core.files.storage import storages
@@ -182,7 +181,7 @@ def overwrites(storage: Any) -> bool:
 
 def stored() -> Iterator[tuple[str, datetime | None]]:
     """Every blob in the store: its digest and when it was last stored."""
-    alias = getattr(settings, "DURABILITY_BLOB_STORAGE", "")
+    alias = conf.BLOB_STORAGE
     if alias:
         from django.core.files.storage import storages
 
@@ -218,7 +217,7 @@ def stored() -> Iterator[tuple[str, datetime | None]]:
 
 def collectable_here() -> tuple[bool, str]:
     """Whether this store's unreferenced blobs may be collected, and if not, why."""
-    alias = getattr(settings, "DURABILITY_BLOB_STORAGE", "")
+    alias = conf.BLOB_STORAGE
     if not alias:
         return True, ""
     from django.core.files.storage import storages
@@ -233,7 +232,7 @@ def collectable_here() -> tuple[bool, str]:
 
 def delete_if_older(digest: str, cutoff: datetime) -> bool:
     """Delete a blob unless it was stored again since ``cutoff``; True if it was deleted."""
-    alias = getattr(settings, "DURABILITY_BLOB_STORAGE", "")
+    alias = conf.BLOB_STORAGE
     if alias:
         from django.core.files.storage import storages
 

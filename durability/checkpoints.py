@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from durability import canonical, diff, inflight
+from durability.conf import conf
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
 from durability.faults import fault
 from durability.models import Checkpoint, Run, Snapshot
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def hmac_key() -> bytes:
-    return (getattr(settings, "DURABILITY_HMAC_KEY", "") or "").encode()
+    return conf.HMAC_KEY.encode()
 
 
 @dataclass(slots=True)
@@ -255,7 +255,7 @@ def can_send_ahead(c: StepCommit) -> bool:
     flush (a replicated commit has its own timeout). Fault points keep it: they fire where
     a crash with a commit in flight would happen (``durability.sendahead``)."""
     return (
-        bool(getattr(settings, "DURABILITY_SEND_AHEAD", True))
+        conf.SEND_AHEAD
         and store().sends_ahead
         and c.durability in ("strict", "relaxed")
         and not connection.in_atomic_block

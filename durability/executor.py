@@ -17,7 +17,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -36,6 +35,7 @@ from durability.agents import Agent, registry
 from durability.checkpoints import Head
 from durability.claims import free_slot, ring_again_if_handed_back, tell_parent, trace_claim
 from durability.commits import Commits
+from durability.conf import conf
 from durability.context import Context, Records, Suspension, WhatIf
 from durability.errors import (
     Abandon,
@@ -86,7 +86,7 @@ def execute(
             return Outcome.SKIPPED
         keeper.start(claim.token)
         if slice_seconds is None:
-            slice_seconds = float(getattr(settings, "DURABILITY_SLICE_SECONDS", 60.0))
+            slice_seconds = conf.SLICE_SECONDS
         execution = Execution(claim, keeper, worker, should_stop or _never, slice_seconds)
         # Whatever this execution writes, wherever, passes the redaction gate with the
         # secrets its steps read (durability/redact.py); its span ends inside the scope too.
@@ -138,7 +138,7 @@ class Execution(Stepping):
         # The commits: made or sent ahead, answered, timed (and the base of the next step).
         self.commits = Commits(self.run_id, self.token, worker)
         self.secrets: set[str] = set()
-        self.max_state = int(getattr(settings, "DURABILITY_MAX_STATE_BYTES", 16 << 20))
+        self.max_state = conf.MAX_STATE_BYTES
         self.agent: Agent | None = None
         self.fingerprint: tuple[str, str] = ("", "")
         # The head in memory, its state (committed bytes, ``pristine`` parsed, ``live`` as
@@ -255,7 +255,7 @@ class Execution(Stepping):
                 )
             )
         self.commits.agent = self.agent.name
-        poison = int(getattr(settings, "DURABILITY_POISON_ATTEMPTS", 5))
+        poison = conf.POISON_ATTEMPTS
         if self.attempts > poison:
             return self._fail(
                 PoisonStep(
@@ -516,7 +516,7 @@ class Execution(Stepping):
     def _wait_for_version(self, exc: IncompatibleVersion) -> Outcome:
         """Not this worker's to run: hand the run back, waiting visibly, so that a worker with
         a version that can continue it (during a rolling deploy) takes it instead."""
-        delay = float(getattr(settings, "DURABILITY_VERSION_RETRY_SECONDS", 30.0))
+        delay = conf.VERSION_RETRY_SECONDS
         with transaction.atomic():
             if not lifecycle.release(
                 self.run_id,

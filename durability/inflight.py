@@ -34,11 +34,11 @@ import threading
 import weakref
 from typing import Any
 
-from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
 from psycopg import errors, pq
 
 from durability import redact
+from durability.conf import conf
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
@@ -156,7 +156,7 @@ class Channel:
         database error as Django's."""
         try:
             pgconn = self._pgconn()
-            if getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True):
+            if conf.PREPARED_STATEMENTS:
                 name = self._prepared.get(query)
                 if name is None:
                     name = f"durability_inflight_{len(self._prepared)}".encode()

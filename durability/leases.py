@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, When
 from django.db.models.functions import Coalesce, Now
 
 from durability import events, lifecycle
+from durability.conf import conf
 from durability.models import (
     TIMED_WAITS,
     Checkpoint,
@@ -49,15 +49,15 @@ log = logging.getLogger(__name__)
 
 
 def lease_seconds() -> float:
-    return float(getattr(settings, "DURABILITY_LEASE_SECONDS", 30.0))
+    return conf.LEASE_SECONDS
 
 
 def heartbeat_seconds() -> float:
-    return float(getattr(settings, "DURABILITY_HEARTBEAT_SECONDS", lease_seconds() / 3))
+    return conf.HEARTBEAT_SECONDS
 
 
 def reconnect_margin_seconds() -> float:
-    return float(getattr(settings, "DURABILITY_RECONNECT_MARGIN_SECONDS", 5.0))
+    return conf.RECONNECT_MARGIN_SECONDS
 
 
 def settle_seconds() -> float:

@@ -13,11 +13,11 @@ from __future__ import annotations
 from datetime import timedelta
 from functools import lru_cache
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from durability import lifecycle
+from durability.conf import conf
 from durability.errors import AgentDefinitionError
 from durability.models import RateBucket, Run, RunStatus, WaitReason
 from durability.store import store
@@ -52,7 +52,7 @@ def _parse(spec: str) -> dict[str, tuple[float, float]]:
 
 
 def configured() -> dict[str, tuple[float, float]]:
-    return _parse(getattr(settings, "DURABILITY_RATE_LIMITS", "") or "")
+    return _parse(conf.RATE_LIMITS)
 
 
 def take(resource: str, cost: float = 1.0) -> float:

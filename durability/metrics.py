@@ -22,7 +22,6 @@ import time
 from datetime import timedelta
 
 import orjson
-from django.conf import settings
 from django.db import connection
 from django.db.models import Count, Min
 from django.http import HttpRequest, HttpResponse
@@ -31,6 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from durability.conf import conf
 from durability.store import store
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -173,23 +173,21 @@ _cached: tuple[float, bytes] | None = None
 
 def _render() -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        DurabilityCollector(float(getattr(settings, "DURABILITY_METRICS_WINDOW_SECONDS", 300)))
-    )
+    registry.register(DurabilityCollector(conf.METRICS_WINDOW_SECONDS))
     connection.ensure_connection()
     return generate_latest(registry)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
     global _cached
-    token = getattr(settings, "DURABILITY_METRICS_TOKEN", "")
+    token = conf.METRICS_TOKEN
     if token:
         sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(sent.encode(), token.encode()):
             return HttpResponse(
                 "a valid bearer token is required\n", status=401, content_type="text/plain"
             )
-    keep = float(getattr(settings, "DURABILITY_METRICS_CACHE_SECONDS", 5.0))
+    keep = conf.METRICS_CACHE_SECONDS
     if keep <= 0:
         body = _render()
     else:

@@ -16,18 +16,18 @@ import random
 from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from durability import canonical, lifecycle
 from durability.agents import registry
+from durability.conf import conf
 from durability.models import Checkpoint, Run, WaitReason, WorkerPresence
 from durability.store import store
 
 
 def ttl() -> float:
-    return 3 * float(getattr(settings, "DURABILITY_PRESENCE_SECONDS", 15.0))
+    return 3 * conf.PRESENCE_SECONDS
 
 
 def capabilities() -> dict[str, dict]:

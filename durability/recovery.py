@@ -21,12 +21,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.conf import settings
 from django.db import DatabaseError, OperationalError, transaction
 from django.db.models import Q
 from django.db.models.functions import Coalesce, Now
 
 from durability import dispatch, events, leases, lifecycle
+from durability.conf import conf
 from durability.faults import fault
 from durability.models import TIMED_WAITS, Run, RunStatus, WaitReason
 from durability.store import store
@@ -199,7 +199,7 @@ def _expire_approvals(report: SweepReport, limit: int) -> None:
 
 
 def _ring_forgotten(report: SweepReport, limit: int) -> None:
-    quiet = float(getattr(settings, "DURABILITY_REQUEUE_SECONDS", 10.0))
+    quiet = conf.REQUEUE_SECONDS
     with transaction.atomic():
         forgotten = list(
             Run.objects.select_for_update(skip_locked=True)

@@ -66,6 +66,8 @@ from typing import Any
 
 from django.conf import settings
 
+from durability.conf import conf
+
 REDACTED = "[redacted]"
 MIN_SECRET_CHARS = 8
 
@@ -83,7 +85,7 @@ def _compiled(pattern: str) -> re.Pattern[str]:
 
 
 def key_pattern() -> re.Pattern[str]:
-    return _compiled(getattr(settings, "DURABILITY_SECRET_KEY_PATTERN", "") or DEFAULT_PATTERN)
+    return _compiled(conf.SECRET_KEY_PATTERN or DEFAULT_PATTERN)
 
 
 def is_secret_key(key: str) -> bool:
@@ -368,8 +370,8 @@ def _hash_keys() -> tuple[bytes, ...]:
     global _current_keys
     if _current_keys is None:
         _current_keys = _keys(
-            getattr(settings, "DURABILITY_HMAC_KEY", "") or "",
-            tuple(getattr(settings, "DURABILITY_HMAC_KEY_FALLBACKS", ()) or ()),
+            conf.HMAC_KEY,
+            conf.HMAC_KEY_FALLBACKS,
             getattr(settings, "SECRET_KEY", "") or "",
             tuple(getattr(settings, "SECRET_KEY_FALLBACKS", ()) or ()),
         )

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from durability import blobs, checkpoints, events
 from durability.agents import registry
+from durability.conf import conf
 from durability.errors import IntegrityViolation
 from durability.integrity import verify_run
 from durability.models import (
@@ -149,7 +149,7 @@ def collect_blobs(report: PruneReport, *, now: Any) -> None:
     if not ok:
         report.blobs_note = why
         return
-    grace = timedelta(seconds=float(getattr(settings, "DURABILITY_BLOB_GC_GRACE_SECONDS", 86400)))
+    grace = timedelta(seconds=conf.BLOB_GC_GRACE_SECONDS)
     # Listed before the references are read: a blob stored after the listing is not a
     # candidate, and one referenced before the reading is kept.
     candidates = [d for d, at in blobs.stored() if at is not None and at < now - grace]

@@ -1,7 +1,7 @@
 """Durability SLOs computed from the event timeline and the run, effect and approval rows.
 
 Each indicator is measured over a window (1 h, 24 h, 7 d), optionally for one agent, and set
-against a target from settings (``DURABILITY_SLO_TARGETS``) with the error budget left:
+against a target from settings (``DURABILITY_SLO_*``) with the error budget left:
 
 - ratios (commit success, run success): the budget is the share of events allowed to be bad,
   ``total * (1 - target)``; what is left is ``1 - bad / allowed``;
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
 from durability import canonical
+from durability.conf import conf
 from durability.models import (
     Approval,
     ApprovalStatus,
@@ -47,19 +47,25 @@ WINDOWS: dict[str, timedelta] = {
 }
 BUCKETS = 24
 
-DEFAULT_TARGETS: dict[str, float] = {
-    "commit_success": 0.999,
-    "commit_latency_p99_ms": 100.0,
-    "recovery_p95_s": 30.0,
-    "work_lost_p95_s": 60.0,
-    "effects_in_doubt_max": 0,
-    "approval_wait_p95_min": 60.0,
-    "run_success": 0.95,
-}
-
 
 def targets() -> dict[str, float]:
-    return {**DEFAULT_TARGETS, **getattr(settings, "DURABILITY_SLO_TARGETS", {})}
+    """Each indicator's target (``DURABILITY_SLO_*``, declared in durability/conf.py)."""
+    return {
+        # Share of checkpoint commits that succeed at the first attempt.
+        "commit_success": conf.SLO_COMMIT_SUCCESS,
+        # 99th percentile of checkpoint commit latency, in milliseconds.
+        "commit_latency_p99_ms": conf.SLO_COMMIT_P99_MS,
+        # 95th percentile of recovery time (lost lease to resumed), in seconds.
+        "recovery_p95_s": conf.SLO_RECOVERY_P95_S,
+        # 95th percentile of work lost per recovery (last checkpoint to failure), in seconds.
+        "work_lost_p95_s": conf.SLO_WORK_LOST_P95_S,
+        # Effects in doubt at any moment.
+        "effects_in_doubt_max": conf.SLO_EFFECTS_IN_DOUBT_MAX,
+        # 95th percentile of the wait for an approval decision, in minutes.
+        "approval_wait_p95_min": conf.SLO_APPROVAL_WAIT_P95_MIN,
+        # Share of finished runs (cancelled ones aside) that succeed.
+        "run_success": conf.SLO_RUN_SUCCESS,
+    }
 
 
 # --- small maths ------------------------------------------------------------------------------

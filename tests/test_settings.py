@@ -15,11 +15,12 @@ from tests.procs import ROOT
 PROBE = (
     "import os, django; os.environ['DJANGO_SETTINGS_MODULE'] = 'config.settings';"
     "django.setup(); from django.conf import settings as s;"
+    "from durability.conf import conf;"
     "import pathlib; key = pathlib.Path(os.environ['DURABILITY_VAR_DIR'], 'secret-key');"
     "print(repr((s.DATABASES['default']['ENGINE'],"
     " key.exists() and s.SECRET_KEY == key.read_text().strip() and len(s.SECRET_KEY) >= 50,"
     " getattr(s, 'SECURE_PROXY_SSL_HEADER', None), s.SESSION_COOKIE_SECURE,"
-    " s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_SECONDS, s.DURABILITY_HEARTBEAT_SECONDS)))"
+    " s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_SECONDS, conf.HEARTBEAT_SECONDS)))"
 )
 
 
@@ -129,6 +130,19 @@ def test_behind_a_tls_proxy(tmp_path):
     [
         ("SECURE_COOKIES", "maybe", "SECURE_COOKIES='maybe' is not a boolean"),
         ("SECURE_HSTS_SECONDS", "a year", "SECURE_HSTS_SECONDS='a year' is not a whole number"),
+        # The engine's, the dashboard's and the API's, parsed from their declarations.
+        ("DURABILITY_LEASE_SECONDS", "soon", "DURABILITY_LEASE_SECONDS='soon' is not a number"),
+        ("DURABILITY_SEND_AHEAD", "maybe", "DURABILITY_SEND_AHEAD='maybe' is not a boolean"),
+        (
+            "DURABILITY_NOTIFY_WEBHOOK_FORMAT",
+            "xml",
+            "DURABILITY_NOTIFY_WEBHOOK_FORMAT='xml' is not one of json, slack",
+        ),
+        (
+            "DURABILITY_API_RATE_LIMIT",
+            "fast",
+            "DURABILITY_API_RATE_LIMIT='fast' is not <requests>/<seconds>",
+        ),
     ],
 )
 def test_a_bad_value_is_a_clear_error(tmp_path, name, value, message):

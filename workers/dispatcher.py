@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextvars
 import threading
 
+from durability.conf import conf
+
 # An ETA message sits unacknowledged in a worker; past the broker's visibility timeout it
 # would be delivered twice. Longer waits are left to the sweeper, which wakes them when due.
 MAX_COUNTDOWN_SECONDS = 60.0
@@ -41,9 +43,7 @@ def _within_deadline(send) -> None:
     dashboard request, the CLI, a worker) through kombu's and redis-py's retries for minutes.
     A ring that does not go out in time is left to the sweeper, which rings again for runs
     left unclaimed; the thread is a daemon, so a process on its way out does not wait for it."""
-    from django.conf import settings
-
-    timeout = float(getattr(settings, "DURABILITY_RING_TIMEOUT_SECONDS", 5.0))
+    timeout = conf.RING_TIMEOUT_SECONDS
     done = threading.Event()
     failure: list[BaseException] = []
 

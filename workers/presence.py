@@ -9,6 +9,8 @@ import threading
 from django.conf import settings
 from django.db import connection
 
+from durability.conf import conf
+
 log = logging.getLogger(__name__)
 
 _stop = threading.Event()
@@ -28,7 +30,7 @@ def start(node: str) -> None:
 
     _name[:] = [node]
     _stop.clear()
-    interval = float(getattr(settings, "DURABILITY_PRESENCE_SECONDS", 15.0))
+    interval = conf.PRESENCE_SECONDS
     first = threading.Event()
 
     def renew() -> None:

@@ -21,8 +21,7 @@ import os
 import signal
 import threading
 
-from django.conf import settings
-
+from durability.conf import conf
 from durability.errors import Abandon
 
 _shared = None  # a multiprocessing.Value made by the main process before the pool forks
@@ -77,7 +76,7 @@ def _on_term(signum, frame) -> None:
 
 
 def _start_grace_timer() -> None:
-    grace = float(getattr(settings, "DURABILITY_SHUTDOWN_GRACE_SECONDS", 10.0))
+    grace = conf.SHUTDOWN_GRACE_SECONDS
     timer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGUSR2))
     timer.daemon = True
     timer.start()

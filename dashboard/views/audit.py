@@ -7,6 +7,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
 from dashboard import params, queries, timeline
+from dashboard.conf import conf
 from dashboard.models import Notification
 from dashboard.views.common import page
 from durability.models import Event, EventKind
@@ -96,14 +97,12 @@ def notifications(request: HttpRequest) -> HttpResponse:
     if before is not None:
         rows = rows.filter(id__lt=before)
     found = list(rows.order_by("-id")[: PAGE + 1])
-    from django.conf import settings
-
     context = {
         "nav": "notifications",
         "rows": found[:PAGE],
         "next_before": found[PAGE - 1].id if len(found) > PAGE else None,
-        "webhook": bool(getattr(settings, "DURABILITY_NOTIFY_WEBHOOK_URL", "")),
-        "webhook_format": getattr(settings, "DURABILITY_NOTIFY_WEBHOOK_FORMAT", "json"),
-        "emails": len(getattr(settings, "DURABILITY_NOTIFY_EMAIL_TO", [])),
+        "webhook": bool(conf.NOTIFY_WEBHOOK_URL),
+        "webhook_format": conf.NOTIFY_WEBHOOK_FORMAT,
+        "emails": len(conf.NOTIFY_EMAIL_TO),
     }
     return page(request, "dashboard/notifications.html", context)

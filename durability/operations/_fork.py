@@ -9,6 +9,7 @@ from django.db.models.functions import Now
 
 from durability import canonical, checkpoints, dispatch, events, lifecycle, telemetry
 from durability.agents import registry
+from durability.conf import Engine
 from durability.models import Checkpoint, CheckpointReason, Run
 from durability.operations._runs import _checkpoint_of, _encoded, get_run
 from durability.redact import redact, restore_placeholders
@@ -32,7 +33,7 @@ def _fork_input(ref: Any, from_seq: int, state: Any) -> tuple[Run, Checkpoint, b
     state, _ = redact(state)
     if target.schema_version == definition.schema_version:
         definition.validate(state)
-    state_bytes = _encoded(state, "edited state", "DURABILITY_MAX_STATE_BYTES", 16 << 20)
+    state_bytes = _encoded(state, "edited state", Engine.MAX_STATE_BYTES)
     return source, target, state_bytes, state_bytes != original_bytes
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from django.db import transaction
 
 from durability import canonical, dispatch, events
+from durability.conf import Engine
 from durability.errors import IdempotencyConflict, InvalidInput, InvalidTransition
 from durability.models import FINISHED, Message, RunStatus, WaitReason
 from durability.operations._runs import _check_version, _encoded, _locked
@@ -70,9 +71,7 @@ def _message(
         raise InvalidInput("a message needs a name of 1 to 200 characters")
     if len(idempotency_key) > 255:
         raise InvalidInput("an idempotency key is at most 255 characters")
-    payload, _ = redact(
-        canonical.loads(_encoded(data, "message data", "DURABILITY_MAX_INPUT_BYTES", 1 << 20))
-    )
+    payload, _ = redact(canonical.loads(_encoded(data, "message data", Engine.MAX_INPUT_BYTES)))
     text = canonical.dumps(payload).decode()
     if not idempotency_key and expected_version is not None:
         digest = canonical.sha256_hex(name.encode() + b"\x1f" + text.encode())

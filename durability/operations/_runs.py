@@ -7,9 +7,8 @@ import re
 import uuid
 from typing import Any
 
-from django.conf import settings
-
 from durability import canonical, checkpoints
+from durability.conf import Setting
 from durability.errors import InvalidInput, Stale, StateTooLarge, UnknownCheckpoint, UnknownRun
 from durability.integrity import Report, verify_run
 from durability.models import Checkpoint, Event, Run
@@ -77,13 +76,13 @@ def state_at(ref: Any, seq: int | None = None) -> Any:
     return state
 
 
-def _encoded(value: Any, what: str, limit_setting: str, default: int) -> bytes:
+def _encoded(value: Any, what: str, limit_setting: Setting[int]) -> bytes:
     canonical.check_json(value, what=what)
     data = canonical.dumps(value, what=what)
-    limit = int(getattr(settings, limit_setting, default))
+    limit = limit_setting.current()
     if len(data) > limit:
         raise StateTooLarge(
-            f"{what} is {len(data):,} bytes, over the limit of {limit:,} ({limit_setting})"
+            f"{what} is {len(data):,} bytes, over the limit of {limit:,} ({limit_setting.name})"
         )
     return data
 

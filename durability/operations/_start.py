@@ -9,6 +9,7 @@ from django.db.models.functions import Now
 
 from durability import blobs, canonical, checkpoints, dispatch, events, lifecycle, telemetry
 from durability.agents import registry
+from durability.conf import Engine
 from durability.errors import IdempotencyConflict, InvalidInput
 from durability.models import CheckpointReason, Durability, Run, RunStatus, WaitReason
 from durability.operations._runs import _encoded, get_run
@@ -82,14 +83,12 @@ def check_durability(level: str) -> str:
 def _prepared(agent: str, input: Any) -> tuple[Any, bytes, bytes, str]:
     """Validate a start: (definition, input bytes, initial state bytes, input hash)."""
     definition = registry.get(agent)
-    input, _ = redact(
-        canonical.loads(_encoded(input, "input", "DURABILITY_MAX_INPUT_BYTES", 1 << 20))
-    )
+    input, _ = redact(canonical.loads(_encoded(input, "input", Engine.MAX_INPUT_BYTES)))
     input_bytes = canonical.dumps(input)
     state = definition.initial_state(input)
     canonical.check_json(state, what="initial state")
     blobs.offload(state, blobs.threshold())
-    state_bytes = _encoded(state, "initial state", "DURABILITY_MAX_STATE_BYTES", 16 << 20)
+    state_bytes = _encoded(state, "initial state", Engine.MAX_STATE_BYTES)
     state, _ = redact(canonical.loads(state_bytes))
     definition.validate(state)
     input_hash = canonical.sha256_hex(definition.name.encode() + b"\x1f" + input_bytes)

@@ -10,12 +10,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from django.conf import settings
 from django.db import OperationalError, transaction
 from django.db.models import Aggregate, BooleanField, Count, FloatField, Q
 from django.db.models.expressions import RawSQL
 
 from durability import events, inflight, lifecycle, redact
+from durability.conf import conf
 from durability.faults import faults_armed
 from durability.models import EventKind, JournalEntry
 from durability.store import pg_sql
@@ -161,7 +161,7 @@ class PostgresStore(Store):
         parsing and planning it on every step."""
         self.conn.ensure_connection()
         raw = self.conn.connection
-        prepare = bool(getattr(settings, "DURABILITY_PREPARED_STATEMENTS", True))
+        prepare = conf.PREPARED_STATEMENTS
         if prepare and raw.prepare_threshold is None:
             # Django opens connections with preparation off, and psycopg then ignores
             # prepare=True. A threshold no query reaches turns it back on for explicit
@@ -207,7 +207,7 @@ class PostgresStore(Store):
             gave_up.set()
             raw.cancel()
 
-        timeout = float(getattr(settings, "DURABILITY_REPLICATION_TIMEOUT_SECONDS", 10.0))
+        timeout = conf.REPLICATION_TIMEOUT_SECONDS
         timer = threading.Timer(timeout, give_up)
         timer.daemon = True
         timer.start()

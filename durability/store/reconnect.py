@@ -14,16 +14,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.conf import settings
 from django.db import InterfaceError, OperationalError
 from django.db import connection as _default
+
+from durability.conf import conf
 
 DB_DOWN = (OperationalError, InterfaceError)
 
 
 def wait_seconds() -> float:
     """How long a repeatable write waits for the database to come back."""
-    return float(getattr(settings, "DURABILITY_DB_WAIT_SECONDS", 300))
+    return conf.DB_WAIT_SECONDS
 
 
 def drop(conn: Any = None) -> None:

@@ -9,9 +9,9 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from django.conf import settings
 from django.db import DatabaseError, transaction
 
+from durability.conf import conf
 from durability.store.base import RunLock, Store
 from durability.store.reconnect import drop
 
@@ -31,7 +31,7 @@ _SYNCHRONOUS = {"relaxed": "NORMAL"}
 
 
 def lock_path(run_id: Any) -> str:
-    folder = getattr(settings, "DURABILITY_LOCK_DIR", "var/locks")
+    folder = conf.LOCK_DIR
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, f"{run_id}.lock")
 
