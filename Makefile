@@ -29,6 +29,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-logo --no-cache
+	$(BIN)/mypy
 
 $(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test,bench]'

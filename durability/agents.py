@@ -400,11 +400,9 @@ class Agent:
 def _build_validators(schema: Any) -> list[Callable[[Any], None]]:
     if schema is None:
         return []
-    try:
-        from pydantic import BaseModel, ValidationError
-    except ImportError:  # pragma: no cover - pydantic is a dependency
-        BaseModel = None  # noqa: N806
-    if BaseModel is not None and isinstance(schema, type) and issubclass(schema, BaseModel):
+    from pydantic import BaseModel, ValidationError
+
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
 
         def check_model(value: Any) -> None:
             try:

@@ -214,7 +214,7 @@ def plan(
 def _head_of(commit: StepCommit, snapshot_now: bool) -> Head:
     """The head ``commit`` makes; its id is known once the commit is answered."""
     return Head(
-        id=None,  # type: ignore[arg-type]
+        id=None,
         seq=commit.head.seq + 1,
         chain_hash=commit.chain_hash,
         state_hash=commit.state_hash,

@@ -37,7 +37,7 @@ def hmac_key() -> bytes:
 class Head:
     """What a worker keeps in memory about the run's head checkpoint."""
 
-    id: int
+    id: int | None  # None while its commit is in flight (sent ahead)
     seq: int
     chain_hash: str
     state_hash: str
@@ -62,6 +62,13 @@ class Head:
             step=cp.step,
             next_step=cp.next_step,
         )
+
+    @property
+    def committed_id(self) -> int:
+        """The id, once the commit that made this head is answered."""
+        if self.id is None:
+            raise RuntimeError(f"checkpoint #{self.seq}: its commit is still in flight")
+        return self.id
 
 
 def link(
@@ -238,7 +245,7 @@ def commit_step(c: StepCommit) -> int:
 
 def _facts(c: StepCommit) -> str:
     """The checkpoint event's data."""
-    facts = {"bytes": c.size, "delta": len(c.ops_bytes), "ops": c.ops_count}
+    facts: dict[str, Any] = {"bytes": c.size, "delta": len(c.ops_bytes), "ops": c.ops_count}
     if c.upgraded_from is not None:
         facts["upgraded_from"] = c.upgraded_from
     if c.replayed:
@@ -410,7 +417,7 @@ def verified_state(cp: Checkpoint) -> tuple[Any, bytes, Rebuilt]:
         state_hash = canonical.patched(state_hash, patch.encode())
     if state_hash != cp.state_hash:
         raise _first_bad(cp, "the patches it is rebuilt from do not lead to its state hash")
-    parent_chain = cp.parent_chain or (cp.parent.chain_hash if cp.parent_id else "")
+    parent_chain = cp.parent_chain or (cp.parent.chain_hash if cp.parent is not None else "")
     if chain_of(cp, parent_chain) != cp.chain_hash:
         raise _first_bad(cp, "its chain hash does not match its contents")
     return rebuilt.state, data, rebuilt

@@ -33,7 +33,7 @@ from durability.models import (
 )
 from durability.records import ArgsHash, function_name, jsonable, outcome_recorded
 from durability.redact import redact
-from durability.waits import Suspension
+from durability.waits import Suspension, Waits
 
 if TYPE_CHECKING:
     from durability.records import Records, WhatIf
@@ -45,8 +45,9 @@ NOT_DONE = object()
 _PERFORM = object()
 
 
-class Effects:
-    """The effects half of ``context.Context`` (which holds the state it reads)."""
+class Effects(Waits):
+    """The effects half of ``context.Context``, which holds the state it reads (declared
+    here, made there); an effect repeated after a rollback asks an approval (``Waits``)."""
 
     run_id: Any
     step: str
@@ -57,6 +58,12 @@ class Effects:
     what_if: WhatIf | None
     _records: Records
     _occurrences: dict[tuple[str, str], int]
+
+    if TYPE_CHECKING:
+
+        def _check_same(
+            self, what: str, key: str, occ: int, rec: Any, fn: str, ahash: ArgsHash
+        ) -> None: ...
 
     # --- effects ----------------------------------------------------------------------------
 
@@ -231,7 +238,8 @@ class Effects:
             if row.settled_base_id == base:
                 return row
         parents = dict(Checkpoint.objects.filter(run_id=self.run_id).values_list("id", "parent_id"))
-        branch, cp = set(), base
+        branch: set[int] = set()
+        cp: int | None = base
         while cp is not None and cp not in branch:
             branch.add(cp)
             cp = parents.get(cp)
@@ -261,8 +269,15 @@ class Effects:
         """Record the abandoned effect's outcome as this one's, performing nothing."""
 
         def reused(rec: Effect) -> None:
-            reuse = {"effect": rec.pk, "source": old.pk, "idempotency_key": old.idempotency_key}
-            events.record(events.effect_reused(self.run_id, key=key, **reuse, **self._here()))
+            event = events.effect_reused(
+                self.run_id,
+                effect=rec.pk,
+                source=old.pk,
+                idempotency_key=old.idempotency_key,
+                key=key,
+                **self._here(),
+            )
+            events.record(event)
 
         self._new_effect(
             proof,
@@ -423,7 +438,7 @@ class Effects:
         )
         if not updated:
             stored = Effect.objects.filter(pk=rec.pk).values_list("result", flat=True)
-            data = outcome_recorded(stored.first)
+            data = outcome_recorded(stored.first) or ""  # "": the row went with its run
         else:
             # The outcome is recorded whoever holds the run now (unfenced: it happened). If
             # the run was meanwhile given to another worker that found the effect unfinished
@@ -461,8 +476,14 @@ class Effects:
             if rec.status != EffectStatus.IN_DOUBT:
                 telemetry.count("in_doubt")
                 telemetry.note("effect.in_doubt", key=key, idempotency_key=rec.idempotency_key)
-                doubt = {"effect": effect_id, "idempotency_key": rec.idempotency_key}
-                events.record(events.effect_in_doubt(self.run_id, key=key, **doubt, **self._here()))
+                doubt = events.effect_in_doubt(
+                    self.run_id,
+                    effect=effect_id,
+                    key=key,
+                    idempotency_key=rec.idempotency_key,
+                    **self._here(),
+                )
+                events.record(doubt)
 
         def resolved() -> bool:
             return (

@@ -7,6 +7,11 @@ swallow with a bare ``except Exception``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from durability.waits import Suspension
+
 
 class DurabilityError(Exception):
     """Base of every error the engine raises on purpose."""
@@ -211,7 +216,7 @@ class Suspend(BaseException):  # noqa: N818 - a signal, not an error
     Carries a ``durability.context.Suspension`` saying what to record and what to re-check.
     """
 
-    def __init__(self, suspension: object) -> None:
+    def __init__(self, suspension: Suspension) -> None:
         self.suspension = suspension
         super().__init__(suspension)
 

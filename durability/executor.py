@@ -139,11 +139,11 @@ class Execution(Stepping):
         self.commits = Commits(self.run_id, self.token, worker)
         self.secrets: set[str] = set()
         self.max_state = conf.MAX_STATE_BYTES
-        self.agent: Agent | None = None
+        self._agent: Agent | None = None
         self.fingerprint: tuple[str, str] = ("", "")
         # The head in memory, its state (committed bytes, ``pristine`` parsed, ``live`` as
         # the steps change it) and the bytes each step attempt starts from (or its upgrade).
-        self.head: Head | None = None
+        self._head: Head | None = None
         self.data = b""
         self.pristine: Any = None
         self.live: Any = None
@@ -162,7 +162,7 @@ class Execution(Stepping):
         self.base_seq = 0
         self.identity = 0
         self.counters: dict[tuple[str, str], int] = {}
-        self.step_start_counters: dict = {}
+        self.step_start_counters: dict[tuple[str, str], int] = {}
         # The periodic level: steps kept in memory since the last checkpoint.
         self.held = 0
         self.period_started = time.monotonic()
@@ -196,6 +196,32 @@ class Execution(Stepping):
     def periodic(self) -> bool:
         return self.row.durability == Durability.PERIODIC
 
+    # Loaded by ``_begin`` before the first step: a step never runs without them.
+
+    @property
+    def agent(self) -> Agent:
+        if self._agent is None:
+            raise RuntimeError(f"run {self.run_id}: its agent is not loaded yet")
+        return self._agent
+
+    @property
+    def head(self) -> Head:
+        if self._head is None:
+            raise RuntimeError(f"run {self.run_id}: its head checkpoint is not loaded yet")
+        return self._head
+
+    @head.setter
+    def head(self, head: Head) -> None:
+        self._head = head
+
+    def _settled_base(self) -> int:
+        """The running step's base: known once the commit in flight is answered, which a
+        step's first operation (and every ``AGAIN``) waits for."""
+        base_id = self.base_id
+        if base_id is None:
+            raise RuntimeError(f"run {self.run_id}: no settled base checkpoint")
+        return base_id
+
     def close(self) -> None:
         self.commits.close()
 
@@ -205,7 +231,7 @@ class Execution(Stepping):
         outcome = self._begin()
         if outcome is not None:
             return outcome
-        records = Records.load(self.base_id, self.run_id)
+        records = Records.load(self._settled_base(), self.run_id)
         while True:
             step = self.pc
             if not step:
@@ -234,7 +260,7 @@ class Execution(Stepping):
                 self.live = canonical.loads(self.start_bytes)
                 self.counters.clear()
                 self.counters.update(self.step_start_counters)
-                records = Records.load(self.base_id, self.run_id)
+                records = Records.load(self._settled_base(), self.run_id)
                 continue
             if outcome is not None:
                 return outcome
@@ -245,7 +271,7 @@ class Execution(Stepping):
     def _begin(self) -> Outcome | None:
         """Load the agent and the head; an outcome if this execution ends before a step."""
         try:
-            self.agent = registry.get(self.row.agent)
+            self._agent = registry.get(self.row.agent)
         except UnknownAgent:
             # A worker from another deploy (without this agent): not this one's to run, nor
             # to fail. Hand it back; a worker that has the agent takes it.
@@ -414,8 +440,9 @@ class Execution(Stepping):
     def _event(self, kind: Callable[..., Event], **fields: Any) -> Event:
         """An event of ``kind`` (a function of ``durability.events``) at this execution's
         place in the run, carrying the last commit's latency if no event has yet."""
-        fields.setdefault("seq", self.head.seq if self.head else self.row.head_seq)
-        fields.setdefault("step", self.pc or (self.head.next_step if self.head else self.row.step))
+        head = self._head
+        fields.setdefault("seq", head.seq if head else self.row.head_seq)
+        fields.setdefault("step", self.pc or (head.next_step if head else self.row.step))
         if self.latency_unreported:
             fields.setdefault("commit_us", self.prev_commit_us)
             self.latency_unreported = False

@@ -42,9 +42,9 @@ class Report:
         return self.first_bad is None
 
     def __str__(self) -> str:
-        if self.ok:
+        if self.first_bad is None:
             return f"run {self.run_id}: {self.checked} checkpoints verify"
-        seq, why = self.first_bad  # type: ignore[misc]
+        seq, why = self.first_bad
         return f"run {self.run_id}: checkpoint #{seq} does not verify: {why}"
 
 
@@ -65,7 +65,7 @@ def verify_run(run_id: Any, *, upto: int | None = None) -> Report:
     states: dict[int, Verified] = {}
     for cp in checkpoints:
         report.checked += 1
-        shared = bool(cp.parent_id) and children.get(cp.parent_id, 0) > 1
+        shared = cp.parent_id is not None and children.get(cp.parent_id, 0) > 1
         problem, verified = _check(cp, states, ops_of, snapshot_ids, shared)
         if problem:
             report.problems.append((cp.seq, problem))
@@ -166,7 +166,7 @@ def _parent_chain(cp: Checkpoint, compacted: bool, parent: Verified | None) -> s
         return cp.parent_chain
     if parent is not None:
         return parent.chain
-    if cp.parent_id:
+    if cp.parent is not None:
         # After an earlier failure: trust nothing above, but the row's own link can still
         # be checked against its stored parent.
         return cp.parent.chain_hash

@@ -265,7 +265,7 @@ def _over_concurrency(run_id: Any) -> str:
     """Why ``run_id`` may not start now under its agent's concurrency limit ("" if it may)."""
     agent = Run.objects.filter(pk=run_id).values_list("agent", flat=True).first()
     limit = concurrency_limit(agent) if agent else None
-    if not limit:
+    if not agent or not limit:
         return ""
     from durability.limits import agent_slot_taken
 
@@ -278,6 +278,8 @@ def _recovered_event(run: Run, worker: str) -> tuple[Event, dict[str, float | No
 
     lost_at = run.lost_heartbeat_at
     claimed_at = run.claimed_at
+    if claimed_at is None:  # the claim sets it
+        raise RuntimeError(f"run {run.id}: claimed without a claim time")
     head_at = (
         Checkpoint.objects.filter(run=run, seq=run.head_seq)
         .values_list("created_at", flat=True)
@@ -435,6 +437,8 @@ class LeaseKeeper:
         try:
             if not lock.held:
                 return self._take_back(lock)
+            if self._token is None:  # the beat starts once the claim's token is known
+                raise RuntimeError(f"run {self.run_id}: heartbeat before the claim")
             return renew(self.run_id, self._token)
         except DatabaseError:
             # The session is gone with no word from the server (a partition, a reset): it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from functools import lru_cache
+from uuid import UUID
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -93,7 +94,7 @@ def take(resource: str, cost: float = 1.0) -> float:
     return 0.0 if taken else (cost - available) / per_second
 
 
-def agent_slot_taken(agent: str, limit: int, run_id: object) -> str:
+def agent_slot_taken(agent: str, limit: int, run_id: UUID | str) -> str:
     """Inside the claim's transaction: "" when ``run_id`` may execute, else why not. The
     agent-wide lock makes concurrent claims count one after the other."""
     store().lock_agent_slots(agent)

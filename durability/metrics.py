@@ -40,7 +40,8 @@ def _quantiles(values: list[float]) -> dict[float, float]:
     # The SLO page's definition (percentile_cont), so both show the same figures.
     from durability.slo import percentile
 
-    return {q: percentile(values, q) for q in QUANTILES} if values else {}
+    # None only for no values: then no quantile at all.
+    return {q: v for q in QUANTILES if (v := percentile(values, q)) is not None}
 
 
 class DurabilityCollector:

@@ -147,8 +147,9 @@ class Records:
     journal: dict[tuple[str, int], JournalEntry]
     effects: dict[tuple[str, int], Effect]
     approvals: dict[tuple[str, int], Approval]
-    messages: dict[tuple[str, int], Message]
-    children: dict[tuple[str, int], Run]
+    # Keyed by occurrence: the columns are nullable, but set on every row loaded here.
+    messages: dict[tuple[str, int | None], Message]
+    children: dict[tuple[str, int | None], Run]
     # When the base is a rollback's new head: the compensations the operator ticked.
     compensations: list[AbandonedEffect] = field(default_factory=list)
     # Keys of the run's effects done on branches a rollback abandoned: only a new effect with

@@ -200,8 +200,8 @@ def _scrub(value: Any, secrets: tuple[str, ...]) -> Any:
     if kind is dict:
         return {k: _scrub(v, secrets) for k, v in value.items()}
     if isinstance(value, str):  # an enum member and the like: written as its text
-        new = _scrub_str(str(value), secrets)
-        return value if new == str(value) else new
+        text = _scrub_str(str(value), secrets)
+        return value if text == str(value) else text
     return value
 
 

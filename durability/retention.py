@@ -249,9 +249,10 @@ def _compact(run: Run, removable: list[int]) -> bool:
                     state=data.decode(),
                     digest=checkpoints.seal(cp.state_hash, data),
                 )
-            ancestor = cps[cp.parent_id]
-            parent_chain = cp.parent_chain or ancestor.chain_hash
-            parent_state = cp.parent_state if cp.parent_chain else ancestor.state_hash
+            parent = cps[cp.parent_id]
+            parent_chain = cp.parent_chain or parent.chain_hash
+            parent_state = cp.parent_state if cp.parent_chain else parent.state_hash
+            ancestor: Checkpoint | None = parent
             while ancestor is not None and ancestor.id in gone:
                 ancestor = cps.get(ancestor.parent_id) if ancestor.parent_id else None
             Checkpoint.objects.filter(pk=cp.pk).update(
@@ -261,7 +262,7 @@ def _compact(run: Run, removable: list[int]) -> bool:
         Mutation.objects.filter(checkpoint_id__in=gone).delete()
         Checkpoint.objects.filter(pk__in=gone).delete()
         report = verify_run(run.id)
-        if not report.ok:
+        if report.first_bad is not None:
             raise IntegrityViolation(
                 f"compaction would break checkpoint #{report.first_bad[0]}: rolled back",
                 run_id=run.id,

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from django.db import DatabaseError
 
@@ -194,7 +194,7 @@ class _Leaving:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is not None and self.ahead.pending is not None:
             try:
                 self.ahead.settle()

@@ -373,7 +373,7 @@ def _in_doubt(span: Span, agent: str | None, ceiling: float) -> Indicator:
         now_rows = now_rows.filter(run__agent=agent)
     current = now_rows.count()
     entered = _events(span, agent).filter(kind=EventKind.EFFECT_IN_DOUBT)
-    series = [float(n) for n in _bucketed_counts(entered, "created_at", span)]
+    series: list[float | None] = [float(n) for n in _bucketed_counts(entered, "created_at", span)]
     return Indicator(
         "effects_in_doubt",
         "Effects in doubt",
@@ -403,6 +403,7 @@ def _approval_wait(span: Span, agent: str | None, target_min: float) -> Indicato
     pairs = [
         (done, (done - asked).total_seconds() / 60)
         for asked, done in decided.values_list("requested_at", "decided_at")
+        if done is not None  # always: the query asks for a decided_at in the span
     ]
     waits = [v for _, v in pairs]
     # A pending approval already older than the target has missed it, decided or not.

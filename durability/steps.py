@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError
 
@@ -31,8 +31,12 @@ from durability.errors import (
     StepTimeout,
     Suspend,
 )
-from durability.models import Checkpoint
+from durability.models import Checkpoint, Run
 from durability.store import reconnect, store
+
+if TYPE_CHECKING:
+    from durability.agents import Agent
+    from durability.waits import Suspension
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +99,53 @@ def drop_session_cut_short() -> None:
 
 
 class Stepping:
-    """The step-level half of ``executor.Execution`` (which holds the state it reads)."""
+    """The step-level half of ``executor.Execution``, which holds the state it reads and
+    writes and the ways an execution ends (declared here, made there)."""
 
+    run_id: Any
+    row: Run
     commits: Commits
-    agent: Any
+    # The head's state: committed bytes, ``pristine`` parsed, ``live`` as the steps change it,
+    # the bytes each attempt starts from, and the schema version it was upgraded from.
+    data: bytes
+    pristine: Any
     live: Any
+    input: Any
+    start_bytes: bytes
+    upgraded_from: int | None
+    db_errors: int
+    replayed: dict[int, str]
+    ending: str
+    pc: str
+    counters: dict[tuple[str, str], int]
+    step_start_counters: dict[tuple[str, str], int]
+    held: int
+    period_started: float
+    boundary_bytes: bytes
+    boundary_step: str
+
+    if TYPE_CHECKING:
+        head: Head
+
+        @property
+        def agent(self) -> Agent: ...
+        @property
+        def base_id(self) -> int | None: ...
+        @property
+        def periodic(self) -> bool: ...
+        def _settled_base(self) -> int: ...
+        def _new_identity(self, base_id: int | None, base_seq: int) -> None: ...
+        def _commit(
+            self,
+            step: str,
+            next_step: str,
+            replay: tuple[int, str] | None = None,
+            ahead: bool = False,
+        ) -> None: ...
+        def _suspend(self, s: Suspension) -> Outcome | None: ...
+        def _retry(self, step: str, exc: BaseException) -> Outcome: ...
+        def _fail(self, exc: BaseException, *, integrity: bool = False) -> Outcome: ...
+        def _yield(self) -> Outcome: ...
 
     def _attempt(self, step: str, fn: Callable, ctx: Context, span: Any) -> Any:
         """Run one step and commit it. Returns None to go on with the next step, ``AGAIN``
@@ -198,7 +244,7 @@ class Stepping:
         current = self.live
         try:
             self.live = canonical.loads(self.boundary_bytes)
-            self._commit(self.boundary_step, self.pc, replay=(self.base_id, replay))
+            self._commit(self.boundary_step, self.pc, replay=(self._settled_base(), replay))
         except FencedOut as exc:
             raise LeaseLost(str(exc), guard=exc.guard) from None
         finally:

@@ -63,7 +63,8 @@ class Suspension:
 
 
 class Waits:
-    """The suspending half of ``context.Context`` (which holds the state it reads)."""
+    """The suspending half of ``context.Context``, which holds the state it reads and the
+    gate and records it goes through (declared here, made there)."""
 
     run_id: Any
     step: str
@@ -74,6 +75,17 @@ class Waits:
     _records: Records
     _occurrences: dict[tuple[str, str], int]
     _waits_drawn: set[int]
+
+    if TYPE_CHECKING:
+
+        def _here(self) -> dict[str, Any]: ...
+        def _settled(self, *, durable: bool = False) -> Settled: ...
+        def _fence(self, proof: Settled) -> None: ...
+        def _next(self, table: str, key: str) -> int: ...
+        def _record(self, proof: Settled, entry: JournalEntry) -> JournalEntry: ...
+        def _journaled(
+            self, kind: str, key: str, fn: Callable, args: tuple, kwargs: dict, meta: str = ""
+        ) -> Any: ...
 
     # --- durable timers ---------------------------------------------------------------------
 

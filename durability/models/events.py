@@ -87,18 +87,20 @@ def _check_runs_exist(run_ids: set[Any], using: str) -> None:
         raise IntegrityError(f"no run {', '.join(missing)}: an event needs its run")
 
 
-class EventQuerySet(models.QuerySet):
-    def bulk_create(
+class EventQuerySet(models.QuerySet["Event"]):
+    # django-stubs types ``self`` inside a QuerySet subclass as generic in its model rather
+    # than as QuerySet[Event], so super() answers list[_Model]: hence the ignores below.
+    def bulk_create(  # type: ignore[override]
         self, objs: Any, *args: Any, run_checked: bool = False, **kwargs: Any
     ) -> list[Event]:
         """``run_checked``: the caller's transaction has already updated (so locked) the
         runs' rows, as the step commit has."""
         objs = list(objs)
         if run_checked:
-            return super().bulk_create(objs, *args, **kwargs)
+            return super().bulk_create(objs, *args, **kwargs)  # type: ignore[return-value]
         with transaction.atomic(using=self.db):
             _check_runs_exist({obj.run_id for obj in objs}, self.db)
-            return super().bulk_create(objs, *args, **kwargs)
+            return super().bulk_create(objs, *args, **kwargs)  # type: ignore[return-value]
 
 
 class Event(models.Model):

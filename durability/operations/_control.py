@@ -13,7 +13,7 @@ from durability.operations._runs import _check_status, _check_version, _checkpoi
 from durability.operations._start import wake_parent
 
 # Waits that end by themselves or by someone's decision, never by a resume: what ends each.
-WAKES_BY_ITSELF = {
+WAKES_BY_ITSELF: dict[str, str] = {
     WaitReason.APPROVAL: "an approval: it continues once someone decides it in the inbox",
     WaitReason.MESSAGE: "a message: it continues when the message arrives (send it)",
     WaitReason.TIMER: "a timer: it continues by itself when the time is due",

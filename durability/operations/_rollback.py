@@ -127,7 +127,7 @@ def _branch_left(run: Run, target: Checkpoint) -> tuple[set[int], dict[int, int]
     """The checkpoints a rollback to ``target`` leaves behind, and every checkpoint's
     number by id."""
     rows = list(Checkpoint.objects.filter(run=run).values_list("id", "parent_id", "seq"))
-    parents = {i: p for i, p, _ in rows}
+    parents: dict[int, int | None] = {i: p for i, p, _ in rows}
     seq_of = {i: s for i, _, s in rows}
     head_id = next(i for i, _, s in rows if s == run.head_seq)
     on_branch = _ancestors(head_id, parents)

@@ -191,7 +191,7 @@ class Store:
                 status=lifecycle.after_step(False),
                 lease_expires_at=now + timedelta(seconds=c.lease_seconds),
             )
-        is_head = Checkpoint.objects.filter(run_id=c.run_id, seq=c.head.seq, pk=c.head.id)
+        is_head = Checkpoint.objects.filter(run_id=c.run_id, seq=c.head.seq, pk=c.head.committed_id)
         fenced = Run.objects.filter(pk=c.run_id, lease_token=c.token, head_seq=c.head.seq)
         return bool(fenced.filter(Exists(is_head)).update(**fields))
 

@@ -129,7 +129,8 @@ def _header(say: Say, run: Run) -> None:
 def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
     say("checkpoints:")
     for c in cps:
-        parent = f" (parent #{c.parent.seq})" if c.parent_id and c.parent.seq != c.seq - 1 else ""
+        up = c.parent
+        parent = f" (parent #{up.seq})" if up is not None and up.seq != c.seq - 1 else ""
         say(
             f"  #{c.seq:<4} {c.reason:<9} {c.step or '-':<14} -> {c.next_step or 'end':<14}"
             f" {c.size:>9,} B  Δ {c.delta_size:>7,} B{parent}"
