@@ -18,6 +18,7 @@ from durability.errors import FencedOut
 from durability.models import Checkpoint, Event, EventKind, JournalEntry, Run, RunStatus
 from durability.retention import referenced_blobs
 from durability.store import for_connection, reconnect, store
+from durability.store import langgraph as lg_store
 from durability.store.postgres import PostgresStore
 from durability.store.sqlite import SqliteStore
 
@@ -70,12 +71,25 @@ def test_the_store_is_the_one_of_the_database_in_use():
     assert type(for_connection(connection)) is expected
 
 
+def test_the_langgraph_saver_statements_are_the_ones_of_the_database_in_use():
+    statements = lg_store.for_connection(connection)
+    expected = {"postgresql": lg_store.PostgresLangGraph, "sqlite": lg_store.LangGraphStore}
+    assert type(statements) is expected[connection.vendor]
+    # One statement each on PostgreSQL; elsewhere the ORM, and no one-statement read.
+    assert statements.one_statement == (connection.vendor == "postgresql")
+    if not statements.one_statement:
+        with pytest.raises(NotImplementedError, match="only on PostgreSQL"):
+            statements.read("t", "", "", 0)
+
+
 def test_an_unknown_database_is_a_clear_error():
     class Elsewhere:
         vendor = "oracle"
 
     with pytest.raises(NotImplementedError, match="PostgreSQL or SQLite, not on 'oracle'"):
         for_connection(Elsewhere())
+    with pytest.raises(NotImplementedError, match="PostgreSQL or SQLite, not on 'oracle'"):
+        lg_store.for_connection(Elsewhere())
 
 
 def test_a_commit_on_a_stale_token_writes_nothing_and_names_the_lease():

@@ -1,8 +1,8 @@
-"""One LangGraph checkpoint of a thread read in one statement, on PostgreSQL: the thread's
-run, the checkpoint (the latest, or one by its LangGraph id), every snapshot and patch its
-state is rebuilt from, and its pending writes. ``get_tuple`` and a ``put`` on a parent the
-saver does not hold in memory need nothing else, so a new saver pays one round trip where
-the ORM took five.
+"""One LangGraph checkpoint of a thread read in one statement, on PostgreSQL (the store's,
+``durability.store.langgraph``): the thread's run, the checkpoint (the latest, or one by its
+LangGraph id), every snapshot and patch its state is rebuilt from, and its pending writes.
+``get_tuple`` and a ``put`` on a parent the saver does not hold in memory need nothing
+else, so a new saver pays one round trip where the ORM took five.
 
 The state is checked as ``checkpoints.verified_state`` checks it (the snapshot against its
 digest, each patch through the state hashes they chain, the result against the
@@ -19,8 +19,7 @@ from typing import Any
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
-from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
-from durability.models import Checkpoint, Mutation, Run, Snapshot
+from durability.store import langgraph as lg_store
 
 
 @dataclass(slots=True)
@@ -51,74 +50,11 @@ class Found:
     writes: list[tuple[str, int, str, str, str]]  # task id, idx, channel, task path, value
 
 
-_READ_TEMPLATE = """
-WITH RECURSIVE t AS (
-    SELECT h.id, h.run_id, r.head_seq FROM {thread} h JOIN {run} r ON r.id = h.run_id
-     WHERE h.thread_id = %(thread)s AND h.checkpoint_ns = %(ns)s
-), l AS (
-    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s JOIN t ON s.thread_id = t.id
-     WHERE %(lg)s = '' OR s.lg_id = %(lg)s
-     ORDER BY s.lg_id DESC LIMIT 1
-), chain(id, parent_id, depth, state_hash, stop) AS (
-    SELECT c.id, c.parent_id, 0, c.state_hash,
-           c.id = %(have)s
-           OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = c.id) IS NOT NULL
-      FROM {checkpoint} c JOIN l ON c.id = l.checkpoint_id
-    UNION ALL
-    SELECT p.id, p.parent_id, chain.depth + 1, p.state_hash,
-           p.id = %(have)s
-           OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = p.id) IS NOT NULL
-      FROM {checkpoint} p JOIN chain ON p.id = chain.parent_id
-     WHERE NOT chain.stop
-), path AS (
-    SELECT chain.id, chain.depth, chain.state_hash,
-           CASE WHEN chain.id = %(have)s THEN NULL
-                WHEN chain.stop
-                THEN (SELECT s.state FROM {snapshot} s WHERE s.checkpoint_id = chain.id)
-                ELSE (SELECT m.ops FROM {mutation} m WHERE m.checkpoint_id = chain.id) END AS text,
-           CASE WHEN chain.stop AND chain.id <> %(have)s
-                THEN (SELECT s.digest FROM {snapshot} s WHERE s.checkpoint_id = chain.id)
-           END AS digest
-      FROM chain
-), head AS (
-    SELECT t.id, t.run_id, t.head_seq, l.lg_id, l.lg_parent_id,
-           c.seq, c.state_hash, c.chain_hash, c.step, c.next_step, c.schema_version,
-           c.agent_version, c.delta_run, c.size,
-           coalesce(nullif(c.parent_chain, ''), p.chain_hash, ''),
-           (SELECT array_agg(ARRAY[w.task_id, w.idx::text, w.channel, w.task_path, w.value])
-              FROM {writes} w WHERE w.thread_id = t.id AND w.checkpoint_id = l.lg_id)
-      FROM t JOIN l ON true
-      JOIN {checkpoint} c ON c.id = l.checkpoint_id
-      LEFT JOIN {checkpoint} p ON p.id = c.parent_id
-)
-SELECT path.id, path.state_hash, path.text, path.digest, head.*
-  FROM path LEFT JOIN head ON path.depth = 0
- ORDER BY path.depth DESC
-"""
-_READ = _READ_TEMPLATE.format(
-    thread=Thread._meta.db_table,
-    run=Run._meta.db_table,
-    saved=SavedCheckpoint._meta.db_table,
-    checkpoint=Checkpoint._meta.db_table,
-    snapshot=Snapshot._meta.db_table,
-    mutation=Mutation._meta.db_table,
-    writes=PendingWrite._meta.db_table,
-)
-
-_START = f"""
-SELECT id, state_hash, chain_hash, size FROM {Checkpoint._meta.db_table}
- WHERE run_id = %(run)s AND seq = 0
-"""
-
-
 def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> Found | None:
     """The namespace's checkpoint ``lg_id`` (the latest when empty) on the connection
     ``db``; None when the namespace was never stored. ``have``: a checkpoint whose state
     the caller holds, used (and patched in place) when the wanted one descends from it."""
-    params = {"thread": thread_id, "ns": ns, "lg": lg_id, "have": have.id if have else 0}
-    with db.cursor() as cur:
-        cur.execute(_READ, params)
-        rows = cur.fetchall()
+    rows = lg_store.for_connection(db).read(thread_id, ns, lg_id, have.id if have else 0)
     if not rows:
         return None
     # Oldest first: the snapshot (or the state held), its patches, then the checkpoint
@@ -132,9 +68,7 @@ def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> F
 
 def start(db: Any, run_id: Any) -> Stored:
     """The empty first checkpoint of a thread's run (the parent of its first ``put``)."""
-    with db.cursor() as cur:
-        cur.execute(_START, {"run": run_id})
-        cp_id, state_hash, chain_hash, size = cur.fetchone()
+    cp_id, state_hash, chain_hash, size = lg_store.for_connection(db).start(run_id)
     return Stored(cp_id, 0, "", state_hash, chain_hash, 0, size, {}, b"{}")
 
 

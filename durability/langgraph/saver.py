@@ -69,6 +69,8 @@ from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.shared import Shared
 from durability.models import Checkpoint as StoredCheckpoint
 from durability.models import Run
+from durability.store import langgraph as lg_store
+from durability.store.reconnect import drop
 
 T = TypeVar("T")
 
@@ -109,7 +111,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._snapshots = checkpoints.SnapshotWriter()
         # PostgreSQL: the connections of the calls made at every superstep (see the
         # module's docstring). The first is used with ``_lock`` held.
-        self._fast = connection.vendor == "postgresql"
+        self._fast = lg_store.for_connection(connection).one_statement
         self._db, self._writes_db = Shared(), Shared()
         self._closer = weakref.finalize(
             self, shared.shut, self._worker, self._snapshots, [self._db, self._writes_db]
@@ -268,6 +270,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
+        # Once, at once, on a new connection (``_on_worker`` dropped the lost one): the
+        # saver's policy for a lost connection (see ``Shared.use``).
         try:
             found = self._call(self._listed, config, filter, before, limit)
         except DatabaseError:
@@ -496,7 +500,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 return fn(*args)
             except DatabaseError:
                 if not _connected():
-                    connection.close()  # lost: the next call connects again
+                    drop(connection)  # lost: the next call connects again
                 raise
 
     def _on_db(self, fn: Callable[..., T], *args: Any) -> T:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 
 from durability import checkpoints
+from durability.store.reconnect import drop
 
 T = TypeVar("T")
 
@@ -30,8 +31,12 @@ class Shared:
 
     def use(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
         """``fn(connection)``; the caller holds the lock. A connection found broken after
-        an error is closed, so the next call connects again; with ``retry`` (for what is
-        safe to do twice) that next call is made at once."""
+        an error is dropped (``reconnect.drop``), so the next call connects again; with
+        ``retry`` (for what is safe to do twice) that next call is made at once."""
+        # Not ``reconnect.retrying``: these calls are on the path of a graph's superstep,
+        # which LangGraph's caller waits for. One immediate try on a new connection gets
+        # past a dropped session; a database that is away reaches LangGraph at once as an
+        # error, rather than holding the graph for DURABILITY_DB_WAIT_SECONDS.
         for again in (retry, False):
             if self._db is None:
                 self._db = connections.create_connection(DEFAULT_DB_ALIAS)
@@ -41,7 +46,8 @@ class Shared:
             except DatabaseError:
                 if self._db.connection is not None and self._db.is_usable():
                     raise
-                self.close()
+                drop(self._db)
+                self._db = None
                 if not again:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,221 @@
+"""What the LangGraph saver (``durability.langgraph``) needs from a database, for one Django
+connection: insert a checkpoint, store a task's pending writes, read a run's head number,
+and read one checkpoint with everything its state is rebuilt from.
+
+On PostgreSQL each is one statement (``lg_sql``), run on a connection the saver owns from
+whichever thread LangGraph calls it on (``one_statement``); on SQLite the ORM writes them in
+one transaction on the saver's own thread, and the saver reads through the ORM.
+``for_connection`` chooses, as the store's own ``for_connection`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from durability import canonical
+from durability.langgraph.models import PendingWrite, SavedCheckpoint
+from durability.models import (
+    Checkpoint,
+    CheckpointReason,
+    Event,
+    EventKind,
+    Mutation,
+    Run,
+    Snapshot,
+)
+from durability.store import for_connection as store_for
+from durability.store import lg_sql
+from durability.store.lg_sql import AGENT_VERSION, SCHEMA_VERSION
+
+
+class LangGraphStore:
+    """The saver's statements through the ORM, on the thread's default connection (the
+    saver's own thread): SQLite's, and PostgreSQL's inside a caller's transaction."""
+
+    # Whether ``put``, ``put_writes`` and ``get_tuple`` are one statement each, run on the
+    # saver's own connections from the caller's thread (with ``read`` and ``start``).
+    one_statement = False
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def insert_checkpoint(self, row: dict[str, Any], relaxed: bool) -> int | None:
+        """Write one checkpoint numbered ``row["head_seq"] + 1`` (its patch, its LangGraph
+        ids, its event, its inline snapshot if any); its id, or None if the run's head
+        moved (another writer numbered one). ``relaxed``: without waiting for the flush."""
+        level = "relaxed" if relaxed else "strict"
+        with store_for(self.conn).synchronous(level), transaction.atomic():
+            return _insert_orm(row)
+
+    def head_seq(self, run_id: Any) -> int:
+        """The run's last checkpoint number."""
+        return Run.objects.filter(pk=run_id).values_list("head_seq", flat=True)[0]
+
+    def put_writes(
+        self,
+        thread: int,
+        checkpoint_id: str,
+        task_id: str,
+        task_path: str,
+        rows: list[tuple[int, str, bytes]],
+        *,
+        replace: bool,
+    ) -> None:
+        """Store a task's writes (index, channel, the value's canonical bytes); a write
+        already stored is kept, unless ``replace``."""
+        objs = [
+            PendingWrite(
+                thread_id=thread,
+                checkpoint_id=checkpoint_id,
+                task_id=task_id,
+                idx=idx,
+                channel=channel,
+                task_path=task_path,
+                value=value.decode(),
+            )
+            for idx, channel, value in rows
+        ]
+        unique = ["thread", "checkpoint_id", "task_id", "idx"]
+        with transaction.atomic():
+            if replace:
+                PendingWrite.objects.bulk_create(
+                    objs,
+                    update_conflicts=True,
+                    unique_fields=unique,
+                    update_fields=["channel", "value", "task_path"],
+                )
+            else:
+                PendingWrite.objects.bulk_create(objs, ignore_conflicts=True)
+
+    def read(self, thread_id: str, ns: str, lg_id: str, have: int) -> list[tuple]:
+        """The namespace's checkpoint ``lg_id`` (the latest when empty): one row per
+        checkpoint its state is rebuilt from, oldest first (id, state hash, snapshot or
+        patch text, snapshot digest), the last one carrying the thread, the run and the
+        checkpoint (``lg_sql.READ``). ``have``: the id of a checkpoint whose state the
+        caller holds, where the rebuild may start (0: none). Only where ``one_statement``."""
+        raise NotImplementedError("the saver reads one statement only on PostgreSQL")
+
+    def start(self, run_id: Any) -> tuple[int, str, str, int]:
+        """The id, state hash, chain hash and size of the run's empty first checkpoint.
+        Only where ``one_statement``."""
+        raise NotImplementedError("the saver reads one statement only on PostgreSQL")
+
+
+class PostgresLangGraph(LangGraphStore):
+    one_statement = True
+
+    def insert_checkpoint(self, row: dict[str, Any], relaxed: bool) -> int | None:
+        if self.conn.in_atomic_block:
+            return super().insert_checkpoint(row, relaxed)
+        with self.conn.cursor() as cur:
+            cur.execute(lg_sql.COMMIT[(row["snapshot"] is not None, relaxed)], row)
+            found = cur.fetchone()
+        return int(found[0]) if found else None
+
+    def head_seq(self, run_id: Any) -> int:
+        with self.conn.cursor() as cur:
+            cur.execute(lg_sql.HEAD_SEQ, [run_id])
+            return cur.fetchone()[0]
+
+    def put_writes(
+        self,
+        thread: int,
+        checkpoint_id: str,
+        task_id: str,
+        task_path: str,
+        rows: list[tuple[int, str, bytes]],
+        *,
+        replace: bool,
+    ) -> None:
+        if self.conn.in_atomic_block:
+            # Inside a caller's transaction the caller's flush setting stays.
+            super().put_writes(thread, checkpoint_id, task_id, task_path, rows, replace=replace)
+            return
+        # Its own implicit transaction, not flushed before answering: the checkpoint after
+        # the writes is, and flushing it flushes them.
+        with self.conn.cursor() as cur:
+            cur.execute(
+                lg_sql.WRITES[replace],
+                {
+                    "thread": thread,
+                    "checkpoint": checkpoint_id,
+                    "task": task_id,
+                    "path": task_path,
+                    "idx": [r[0] for r in rows],
+                    "channel": [r[1] for r in rows],
+                    "value": [r[2].decode() for r in rows],
+                },
+            )
+
+    def read(self, thread_id: str, ns: str, lg_id: str, have: int) -> list[tuple]:
+        params = {"thread": thread_id, "ns": ns, "lg": lg_id, "have": have}
+        with self.conn.cursor() as cur:
+            cur.execute(lg_sql.READ, params)
+            return cur.fetchall()
+
+    def start(self, run_id: Any) -> tuple[int, str, str, int]:
+        with self.conn.cursor() as cur:
+            cur.execute(lg_sql.START, {"run": run_id})
+            return cur.fetchone()
+
+
+_by_dialect: dict[str, type[LangGraphStore]] = {
+    "postgresql": PostgresLangGraph,
+    "sqlite": LangGraphStore,
+}
+
+
+def for_connection(conn: Any) -> LangGraphStore:
+    """The saver's statements on one Django connection."""
+    try:
+        return _by_dialect[conn.vendor](conn)
+    except KeyError:
+        raise NotImplementedError(
+            f"the engine runs on PostgreSQL or SQLite, not on {conn.vendor!r}"
+        ) from None
+
+
+def _insert_orm(row: dict[str, Any]) -> int | None:
+    updated = Run.objects.filter(pk=row["run"], head_seq=row["head_seq"]).update(
+        head_seq=row["head_seq"] + 1
+    )
+    if not updated:
+        return None
+    cp = Checkpoint.objects.create(
+        run_id=row["run"],
+        seq=row["head_seq"] + 1,
+        parent_id=row["parent"],
+        reason=CheckpointReason.STEP,
+        step=row["step"],
+        state_hash=row["state_hash"],
+        chain_hash=row["chain_hash"],
+        schema_version=SCHEMA_VERSION,
+        agent_version=AGENT_VERSION,
+        size=row["size"],
+        delta_size=row["delta_size"],
+        delta_run=row["delta_run"],
+        commit_id=row["commit_id"],
+    )
+    Mutation.objects.create(checkpoint=cp, ops=row["ops"], count=row["count"])
+    if row["snapshot"] is not None:
+        Snapshot.objects.create(checkpoint=cp, state=row["snapshot"], digest=row["digest"])
+    SavedCheckpoint.objects.create(
+        checkpoint=cp,
+        thread_id=row["thread"],
+        lg_id=row["lg_id"],
+        lg_parent_id=row["lg_parent"],
+        metadata=canonical.loads(row["metadata"]),
+    )
+    Event.objects.create(
+        run_id=row["run"],
+        kind=EventKind.CHECKPOINT,
+        seq=cp.seq,
+        step=row["step"],
+        data=row["data"],
+    )
+    return cp.id
+
+
+__all__ = ["AGENT_VERSION", "SCHEMA_VERSION", "LangGraphStore", "for_connection"]

@@ -1,0 +1,162 @@
+"""PostgreSQL's hand-written statements of the LangGraph saver (``langgraph.PostgresLangGraph``
+runs them): each one round trip.
+
+A checkpoint is one statement, data-modifying CTEs chained on the UPDATE of the run that
+allocates its number; a task's pending writes one ``INSERT ... ON CONFLICT`` over arrays; a
+checkpoint with everything its state is rebuilt from (and its pending writes) one recursive
+query.
+"""
+
+from __future__ import annotations
+
+from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.models import Checkpoint, Event, Mutation, Run, Snapshot
+
+# What the saver's runs and checkpoints are stored as.
+AGENT_VERSION = "langgraph"
+SCHEMA_VERSION = 1
+
+_COMMIT = """
+WITH cfg AS (SELECT {lowered} AS v), r AS (
+    UPDATE {run} SET head_seq = head_seq + 1, updated_at = now()
+     WHERE id = %(run)s::uuid AND head_seq = %(head_seq)s::integer
+       AND (SELECT v FROM cfg) IS NOT NULL
+ RETURNING id, head_seq
+), c AS (
+    INSERT INTO {checkpoint}
+        (run_id, seq, parent_id, reason, step, next_step, state_hash, chain_hash,
+         schema_version, agent_version, size, delta_size, delta_run, commit_id,
+         config_hash, packages, replay_counters, created_by, created_at)
+    SELECT r.id, r.head_seq, %(parent)s::bigint, 'step', %(step)s::text, '',
+           %(state_hash)s::text, %(chain_hash)s::text, {schema}, '{version}',
+           %(size)s::integer, %(delta_size)s::integer, %(delta_run)s::bigint,
+           %(commit_id)s::uuid, '', '', '', '', now()
+      FROM r
+ RETURNING id
+), m AS (
+    INSERT INTO {mutation} (checkpoint_id, ops, count)
+    SELECT c.id, %(ops)s::text, %(count)s::integer FROM c
+), l AS (
+    INSERT INTO {saved} (checkpoint_id, thread_id, lg_id, lg_parent_id, metadata)
+    SELECT c.id, %(thread)s::bigint, %(lg_id)s::text, %(lg_parent)s::text,
+           %(metadata)s::jsonb FROM c
+){snapshot}, e AS (
+    INSERT INTO {event} (run_id, kind, seq, step, actor, reason, worker, data, created_at)
+    SELECT r.id, 'checkpoint', r.head_seq, %(step)s::text, '', '', '', %(data)s::text, now()
+      FROM r
+)
+SELECT id FROM c
+"""
+_SNAPSHOT = """, s AS (
+    INSERT INTO {snapshot} (checkpoint_id, state, digest)
+    SELECT c.id, %(snapshot)s::text, %(digest)s::text FROM c
+)"""
+
+
+def _commit_sql(with_snapshot: bool, relaxed: bool) -> str:
+    snap = _SNAPSHOT.format(snapshot=Snapshot._meta.db_table) if with_snapshot else ""
+    # relaxed: this statement's transaction does not wait for the WAL flush (the
+    # product's relaxed level; see docs/architecture.md).
+    lowered = "set_config('synchronous_commit', 'off', true)" if relaxed else "''"
+    return _COMMIT.format(
+        lowered=lowered,
+        run=Run._meta.db_table,
+        checkpoint=Checkpoint._meta.db_table,
+        mutation=Mutation._meta.db_table,
+        saved=SavedCheckpoint._meta.db_table,
+        event=Event._meta.db_table,
+        snapshot=snap,
+        schema=SCHEMA_VERSION,
+        version=AGENT_VERSION,
+    )
+
+
+# By (with an inline snapshot, relaxed).
+COMMIT = {
+    (snapshot, relaxed): _commit_sql(snapshot, relaxed)
+    for snapshot in (False, True)
+    for relaxed in (False, True)
+}
+
+HEAD_SEQ = f"SELECT head_seq FROM {Run._meta.db_table} WHERE id = %s"
+
+_WRITES = """
+WITH cfg AS (SELECT set_config('synchronous_commit', 'off', true) AS v)
+INSERT INTO {table} (thread_id, checkpoint_id, task_id, idx, channel, task_path, value)
+SELECT %(thread)s::bigint, %(checkpoint)s::text, %(task)s::text, u.idx, u.channel,
+       %(path)s::text, u.value
+  FROM cfg, unnest(%(idx)s::integer[], %(channel)s::text[], %(value)s::text[])
+       AS u(idx, channel, value)
+ WHERE cfg.v IS NOT NULL
+ON CONFLICT (thread_id, checkpoint_id, task_id, idx) DO {conflict}
+"""
+# By whether a write already stored is replaced.
+WRITES = {
+    replace: _WRITES.format(
+        table=PendingWrite._meta.db_table,
+        conflict="UPDATE SET channel = EXCLUDED.channel, value = EXCLUDED.value,"
+        " task_path = EXCLUDED.task_path"
+        if replace
+        else "NOTHING",
+    )
+    for replace in (False, True)
+}
+
+_READ = """
+WITH RECURSIVE t AS (
+    SELECT h.id, h.run_id, r.head_seq FROM {thread} h JOIN {run} r ON r.id = h.run_id
+     WHERE h.thread_id = %(thread)s AND h.checkpoint_ns = %(ns)s
+), l AS (
+    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s JOIN t ON s.thread_id = t.id
+     WHERE %(lg)s = '' OR s.lg_id = %(lg)s
+     ORDER BY s.lg_id DESC LIMIT 1
+), chain(id, parent_id, depth, state_hash, stop) AS (
+    SELECT c.id, c.parent_id, 0, c.state_hash,
+           c.id = %(have)s
+           OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = c.id) IS NOT NULL
+      FROM {checkpoint} c JOIN l ON c.id = l.checkpoint_id
+    UNION ALL
+    SELECT p.id, p.parent_id, chain.depth + 1, p.state_hash,
+           p.id = %(have)s
+           OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = p.id) IS NOT NULL
+      FROM {checkpoint} p JOIN chain ON p.id = chain.parent_id
+     WHERE NOT chain.stop
+), path AS (
+    SELECT chain.id, chain.depth, chain.state_hash,
+           CASE WHEN chain.id = %(have)s THEN NULL
+                WHEN chain.stop
+                THEN (SELECT s.state FROM {snapshot} s WHERE s.checkpoint_id = chain.id)
+                ELSE (SELECT m.ops FROM {mutation} m WHERE m.checkpoint_id = chain.id) END AS text,
+           CASE WHEN chain.stop AND chain.id <> %(have)s
+                THEN (SELECT s.digest FROM {snapshot} s WHERE s.checkpoint_id = chain.id)
+           END AS digest
+      FROM chain
+), head AS (
+    SELECT t.id, t.run_id, t.head_seq, l.lg_id, l.lg_parent_id,
+           c.seq, c.state_hash, c.chain_hash, c.step, c.next_step, c.schema_version,
+           c.agent_version, c.delta_run, c.size,
+           coalesce(nullif(c.parent_chain, ''), p.chain_hash, ''),
+           (SELECT array_agg(ARRAY[w.task_id, w.idx::text, w.channel, w.task_path, w.value])
+              FROM {writes} w WHERE w.thread_id = t.id AND w.checkpoint_id = l.lg_id)
+      FROM t JOIN l ON true
+      JOIN {checkpoint} c ON c.id = l.checkpoint_id
+      LEFT JOIN {checkpoint} p ON p.id = c.parent_id
+)
+SELECT path.id, path.state_hash, path.text, path.digest, head.*
+  FROM path LEFT JOIN head ON path.depth = 0
+ ORDER BY path.depth DESC
+"""
+READ = _READ.format(
+    thread=Thread._meta.db_table,
+    run=Run._meta.db_table,
+    saved=SavedCheckpoint._meta.db_table,
+    checkpoint=Checkpoint._meta.db_table,
+    snapshot=Snapshot._meta.db_table,
+    mutation=Mutation._meta.db_table,
+    writes=PendingWrite._meta.db_table,
+)
+
+START = f"""
+SELECT id, state_hash, chain_hash, size FROM {Checkpoint._meta.db_table}
+ WHERE run_id = %(run)s AND seq = 0
+"""
