@@ -27,7 +27,8 @@ def each_state(run_id: Any, wanted: set[int], emit: Callable[[int, Any], None]) 
     snapshots = dict(
         Snapshot.objects.filter(checkpoint__run_id=run_id).values_list("checkpoint_id", "digest")
     )
-    for cp_id in wanted:
+    for first in wanted:
+        cp_id: int | None = first
         while cp_id is not None and cp_id not in needed:
             needed.add(cp_id)
             if cp_id in snapshots:

@@ -42,11 +42,12 @@ are not met; bytes stored (0.07x, target 0.1x) and ``list`` (0.10x, target 1x) a
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from django.db import DatabaseError, connection, transaction
 from langchain_core.runnables import RunnableConfig
@@ -286,7 +287,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         filter: dict[str, Any] | None,
         before: RunnableConfig | None,
         limit: int | None,
-    ) -> list[CheckpointTuple]:
+    ) -> builtins.list[CheckpointTuple]:
         threads = Thread.objects.all()
         if config is not None:
             conf = config["configurable"]
@@ -298,7 +299,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             rows = rows.filter(lg_id=wanted)
         if before is not None and (before_id := get_checkpoint_id(before)):
             rows = rows.filter(lg_id__lt=before_id)
-        chosen: list[SavedCheckpoint] = []
+        chosen: builtins.list[SavedCheckpoint] = []
         for row in rows.order_by("-lg_id"):
             if limit is not None and len(chosen) >= limit:
                 break
@@ -309,7 +310,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             chosen.append(row)
         return self._tuples(chosen)
 
-    def _tuples(self, chosen: list[SavedCheckpoint]) -> list[CheckpointTuple]:
+    def _tuples(self, chosen: builtins.list[SavedCheckpoint]) -> builtins.list[CheckpointTuple]:
         by_run: dict[Any, set[int]] = {}
         for row in chosen:
             by_run.setdefault(row.thread.run_id, set()).add(row.checkpoint_id)
@@ -328,8 +329,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
         writes: dict[tuple[int, str], list] = {}
         for thread_pk in {row.thread_id for row in chosen}:
             thread = next(row.thread for row in chosen if row.thread_id == thread_pk)
-            ids = [row.lg_id for row in chosen if row.thread_id == thread_pk]
-            for lg_id, found in self._writes(thread, ids).items():
+            lg_ids = [row.lg_id for row in chosen if row.thread_id == thread_pk]
+            for lg_id, found in self._writes(thread, lg_ids).items():
                 writes[(thread_pk, lg_id)] = found
         result = []
         for row in chosen:
@@ -337,7 +338,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             result.append(
                 CheckpointTuple(
                     config=_config(row.thread.thread_id, row.thread.checkpoint_ns, row.lg_id),
-                    checkpoint={**fields, "channel_values": values},
+                    checkpoint=cast(Checkpoint, {**fields, "channel_values": values}),
                     metadata=md,
                     parent_config=_config(
                         row.thread.thread_id, row.thread.checkpoint_ns, row.lg_parent_id
@@ -560,8 +561,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 return read.stored
         return latest.start(db, thread.run_id)
 
-    def _writes(self, thread: Thread, lg_ids: list[str]) -> dict[str, list]:
-        found: dict[str, list] = {}
+    def _writes(self, thread: Thread, lg_ids: builtins.list[str]) -> dict[str, builtins.list]:
+        found: dict[str, builtins.list] = {}
         rows = PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).values_list(
             "checkpoint_id", "task_id", "idx", "channel", "task_path", "value"
         )
@@ -573,14 +574,17 @@ class DurableSaver(BaseCheckpointSaver[int]):
         return found
 
     def _tuple(
-        self, thread_id: str, ns: str, lg_id: str, lg_parent: str, doc: Any, writes: list
+        self, thread_id: str, ns: str, lg_id: str, lg_parent: str, doc: Any, writes: builtins.list
     ) -> CheckpointTuple:
         return CheckpointTuple(
             config=_config(thread_id, ns, lg_id),
-            checkpoint={
-                **codec.decode(doc["checkpoint"], self.serde),
-                "channel_values": codec.decode(doc["values"], self.serde),
-            },
+            checkpoint=cast(
+                Checkpoint,
+                {
+                    **codec.decode(doc["checkpoint"], self.serde),
+                    "channel_values": codec.decode(doc["values"], self.serde),
+                },
+            ),
             metadata=codec.decode(doc["metadata"], self.serde),
             parent_config=_config(thread_id, ns, lg_parent) if lg_parent else None,
             pending_writes=writes,
