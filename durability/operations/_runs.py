@@ -71,10 +71,25 @@ def _checkpoint_of(run: Run, seq: int | None = None, checkpoint_id: int | None =
 
 def state_at(ref: Any, seq: int | None = None) -> Any:
     """The verified state of a run at checkpoint ``seq`` (default: the head)."""
+    if seq is None:
+        run_id = ref.id if isinstance(ref, Run) else _as_uuid(ref)
+        rebuilt = checkpoints.head_state(run_id) if run_id is not None else None
+        if rebuilt is not None:
+            return rebuilt.state
+        # A prefix, or no such run: found (or refused, with the reason) the long way.
     run = get_run(ref)
     cp = _checkpoint_of(run, run.head_seq if seq is None else seq)
     state, _, _ = checkpoints.verified_state(cp)
     return state
+
+
+def _as_uuid(ref: Any) -> uuid.UUID | None:
+    if isinstance(ref, uuid.UUID):
+        return ref
+    try:
+        return uuid.UUID(str(ref).strip())
+    except ValueError:
+        return None
 
 
 def _event(run: Run, kind: str, *, by: str, reason: str, data: Any = None, seq=None) -> Event:
