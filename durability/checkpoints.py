@@ -409,11 +409,12 @@ def verified_state(cp: Checkpoint) -> tuple[Any, bytes, Rebuilt]:
     return rebuilt.state, data, rebuilt
 
 
-def head_state(run_id: Any) -> Rebuilt | None:
-    """The verified rebuild of a run's head checkpoint (None if there is no such run): what
-    ``verified_state`` checks, with the head and its parent's chain hash found in one
-    statement, and without encoding the state again (its bytes are not asked for)."""
-    head, rows = store().head_chain(run_id)
+def run_state(run_id: Any, seq: int | None = None) -> Rebuilt | None:
+    """The verified rebuild of a run's head checkpoint, or of its checkpoint ``seq`` (None if
+    there is no such run or checkpoint): what ``verified_state`` checks, with the checkpoint,
+    its parent's chain hash and its chain read in one statement, and without encoding the
+    state again (its bytes are not asked for)."""
+    head, rows = store().head_chain(run_id, seq)
     if head is None:
         return None
     *fields, parent_chain = head

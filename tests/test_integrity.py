@@ -11,7 +11,7 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
 from durability import END, Agent, canonical, checkpoints, operations, registry
-from durability.errors import FencedOut, IntegrityViolation
+from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint, UnknownRun
 from durability.integrity import verify_run
 from durability.models import Checkpoint, Event, Mutation, Run, RunStatus, Snapshot
 from durability.testing import drive, state_of
@@ -157,13 +157,20 @@ def test_a_changed_patch_is_named_at_its_own_checkpoint():
 
 
 def test_the_latest_state_load_makes_every_check_of_a_rebuild():
-    """``state_at`` of the head (the run page, the CLI) finds the head in one statement and
-    checks what ``verified_state`` checks: a changed patch, a changed head hash, a changed
+    """``state_at`` (the CLI's ``show``) finds the checkpoint and its chain in one statement
+    and checks what ``verified_state`` checks: a changed patch, a changed head hash, a changed
     parent chain hash or a changed snapshot each stop it, naming the checkpoint."""
     run = operations.start("hash-grow", {"n": 6})
     drive(run.id)
     assert operations.state_at(run.id) == operations.state_at(str(run.id)[:8])
     assert operations.state_at(run.id)["n"] == 6
+    third = checkpoints.verified_state(Checkpoint.objects.get(run=run, seq=3))[0]
+    assert operations.state_at(run.id, 3) == operations.state_at(str(run.id), "3") == third
+    assert operations.state_at(run.id, 3)["n"] == 3
+    with pytest.raises(UnknownCheckpoint, match="run has no checkpoint #9 "):
+        operations.state_at(run.id, 9)
+    with pytest.raises(UnknownRun):
+        operations.state_at(uuid.uuid4())
     head = Checkpoint.objects.get(run=run, seq=6)
     parent = Checkpoint.objects.get(run=run, seq=5)
     for change in (

@@ -70,13 +70,18 @@ def _checkpoint_of(run: Run, seq: int | None = None, checkpoint_id: int | None =
 
 
 def state_at(ref: Any, seq: int | None = None) -> Any:
-    """The verified state of a run at checkpoint ``seq`` (default: the head)."""
-    if seq is None:
-        run_id = ref.id if isinstance(ref, Run) else _as_uuid(ref)
-        rebuilt = checkpoints.head_state(run_id) if run_id is not None else None
+    """The verified state of a run at checkpoint ``seq`` (default: the head; for a ``Run``,
+    the head it was read with)."""
+    if isinstance(ref, Run):
+        run_id, seq = ref.id, ref.head_seq if seq is None else seq
+    else:
+        run_id = _as_uuid(ref)
+    if run_id is not None and (seq is None or type(seq) is int):
+        rebuilt = checkpoints.run_state(run_id, seq)
         if rebuilt is not None:
             return rebuilt.state
-        # A prefix, or no such run: found (or refused, with the reason) the long way.
+    # A prefix, a number given as text, or no such run or checkpoint: found (or refused,
+    # with the reason) the long way.
     run = get_run(ref)
     cp = _checkpoint_of(run, run.head_seq if seq is None else seq)
     state, _, _ = checkpoints.verified_state(cp)

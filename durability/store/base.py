@@ -223,13 +223,14 @@ class Store:
             cur.execute(CHAIN_SQL, [checkpoint_id])
             return cur.fetchall()
 
-    def head(self, run_id: Any) -> tuple | None:
-        """A run's head checkpoint as ``HEAD_COLUMNS`` (None if there is no such run)."""
+    def head(self, run_id: Any, seq: int | None = None) -> tuple | None:
+        """A run's head checkpoint (or its checkpoint ``seq``) as ``HEAD_COLUMNS``; None if
+        there is no such run or checkpoint."""
         head_seq = Run.objects.filter(pk=run_id).values("head_seq")[:1]
         parent_chain = Checkpoint.objects.filter(pk=OuterRef("parent_id")).values("chain_hash")[:1]
         return (
             Checkpoint.objects.using(self.conn.alias)
-            .filter(run_id=run_id, seq=Subquery(head_seq))
+            .filter(run_id=run_id, seq=Subquery(head_seq) if seq is None else seq)
             .annotate(
                 parent_chain_=Coalesce(
                     NullIf("parent_chain", Value("")), Subquery(parent_chain), Value("")
@@ -239,9 +240,9 @@ class Store:
             .first()
         )
 
-    def head_chain(self, run_id: Any) -> tuple[tuple | None, list[tuple]]:
-        """A run's head (``head``) and its ``chain`` rows; (None, []) if there is no such run."""
-        head = self.head(run_id)
+    def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
+        """``head`` and its ``chain`` rows; (None, []) if there is no such run or checkpoint."""
+        head = self.head(run_id, seq)
         return (head, self.chain(head[0])) if head is not None else (None, [])
 
     def insert_journal_if_absent(self, entry: JournalEntry) -> JournalEntry:

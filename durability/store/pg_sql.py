@@ -150,12 +150,13 @@ COMMIT_FIGURES = (
     " AND (commit_us IS NOT NULL OR kind = 'checkpoint')"
 )
 
-# A run's latest state in one round trip (``Store.head_chain``): its head checkpoint with what
-# verifying it needs, and the rows of ``base.CHAIN_SQL`` from it. The head's parent's chain
-# hash (the one its own is linked to; stored on it once compaction removed the parent) is a
-# scalar subquery rather than a join of the checkpoint table to itself, and the statement is
-# prepared once per session: the state loads of the run page and the CLI then plan nothing.
-# Columns: the chain's five, then the head's (``base.HEAD_COLUMNS``) on its own row only.
+# A run's state at its head (or at checkpoint ``seq``) in one round trip: the checkpoint with
+# what verifying it needs, and the rows of ``base.CHAIN_SQL`` from it (``Store.head_chain``).
+# Its parent's chain hash (the one its own is linked to; stored on it once compaction removed
+# the parent) is a scalar subquery rather than a join of the checkpoint table to itself, and
+# the statement is prepared once per session: ``state_at`` (the CLI's ``show``)
+# then plans nothing. Columns: the chain's five, then the checkpoint's (``base.HEAD_COLUMNS``)
+# on its own row only.
 HEAD_CHAIN = """
 WITH RECURSIVE head AS (
     SELECT c.id, c.run_id, c.seq, c.step, c.next_step, c.schema_version, c.agent_version,
@@ -165,7 +166,8 @@ WITH RECURSIVE head AS (
                     '') AS parent_chain,
            c.parent_id
       FROM durability_run r
-      JOIN durability_checkpoint c ON c.run_id = r.id AND c.seq = r.head_seq
+      JOIN durability_checkpoint c
+        ON c.run_id = r.id AND c.seq = COALESCE(%(seq)s::integer, r.head_seq)
      WHERE r.id = %(run)s::uuid
 ), chain(id, parent_id, depth, snap, state_hash) AS (
     SELECT h.id, h.parent_id, 0,

@@ -185,9 +185,9 @@ class PostgresStore(Store):
         """``CHAIN_SQL``'s rows, prepared: its recursive plan is made once per session."""
         return self.fetch_all_prepared(CHAIN_SQL, [checkpoint_id])
 
-    def head_chain(self, run_id: Any) -> tuple[tuple | None, list[tuple]]:
+    def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
         """In one prepared statement."""
-        rows = self.fetch_all_prepared(pg_sql.HEAD_CHAIN, {"run": run_id})
+        rows = self.fetch_all_prepared(pg_sql.HEAD_CHAIN, {"run": run_id, "seq": seq})
         if not rows:
             return None, []
         return rows[-1][5:], [row[:5] for row in rows]
