@@ -342,6 +342,15 @@ DURABILITY_SEND_AHEAD = env_bool("DURABILITY_SEND_AHEAD", True)
 # The commit statement is prepared once per connection. Turn off behind a pooler that
 # shares sessions between clients (PgBouncer in transaction mode).
 DURABILITY_PREPARED_STATEMENTS = env_bool("DURABILITY_PREPARED_STATEMENTS", True)
+# A checkpoint gets a snapshot once this many patches were written since the last one (or
+# once they outweigh the state): the most a rebuild applies. Lower: faster state loads, one
+# more copy of the whole state stored every so many steps.
+DURABILITY_SNAPSHOT_MAX_DELTAS = env_int("DURABILITY_SNAPSHOT_MAX_DELTAS", 500)
+if DURABILITY_SNAPSHOT_MAX_DELTAS < 1:
+    raise ImproperlyConfigured(
+        f"DURABILITY_SNAPSHOT_MAX_DELTAS={DURABILITY_SNAPSHOT_MAX_DELTAS} must be at least 1"
+        " (1: a snapshot with every checkpoint)"
+    )
 # A worker whose database went away waits this long for it before giving the run up.
 DURABILITY_DB_WAIT_SECONDS = env_float("DURABILITY_DB_WAIT_SECONDS", 300.0)
 # Detecting tampering (not only corruption) needs a key kept outside the database.

@@ -47,9 +47,12 @@ class Head:
     agent_version: str
     step: str
     next_step: str
+    # Patches since the nearest snapshot (``needs_snapshot``'s ``deltas``), when known: a
+    # head read back from the database passes what its rebuild walked.
+    deltas: int = 0
 
     @classmethod
-    def of(cls, cp: Checkpoint) -> Head:
+    def of(cls, cp: Checkpoint, deltas: int = 0) -> Head:
         return cls(
             id=cp.id,
             seq=cp.seq,
@@ -61,6 +64,7 @@ class Head:
             agent_version=cp.agent_version,
             step=cp.step,
             next_step=cp.next_step,
+            deltas=deltas,
         )
 
 
@@ -464,10 +468,15 @@ def _first_bad(cp: Checkpoint, fallback: str) -> IntegrityViolation:
 # --- snapshots off the hot path -------------------------------------------------------------
 
 
-def needs_snapshot(delta_run: int, size: int) -> bool:
-    """Policy by bytes: once the patches since the last snapshot outweigh the state, the
-    next rebuild would read more than twice the state, so write a snapshot."""
-    return delta_run > size
+def needs_snapshot(delta_run: int, size: int, deltas: int = 0) -> bool:
+    """Whether the checkpoint about to be written gets a snapshot (off the step's path, on
+    the snapshot thread, unless it is small enough to ride in the commit). By bytes: once
+    the patches since the last snapshot (``delta_run``) outweigh the state, the next
+    rebuild would read more than twice the state. By count: a state that only grows
+    outweighs its patches almost never, and every patch costs a rebuild a row, a parse and
+    a hash whatever its size; so ``deltas``, the patches since the last snapshot including
+    this one, never exceeds ``DURABILITY_SNAPSHOT_MAX_DELTAS``."""
+    return delta_run > size or deltas >= settings.DURABILITY_SNAPSHOT_MAX_DELTAS
 
 
 # A snapshot this small rides in the commit statement itself (no second transaction, no
