@@ -422,7 +422,7 @@ def run_state(run_id: Any, seq: int | None = None) -> Rebuilt | None:
     if head is None:
         return None
     *fields, parent_chain = head
-    cp = Checkpoint(**dict(zip(HEAD_COLUMNS, fields, strict=False)))
+    cp = Checkpoint(**dict(zip(HEAD_COLUMNS[:-1], fields, strict=True)))
     return _verified(cp, parent_chain, rows)
 
 
