@@ -177,7 +177,9 @@ def plan(
     )
     size, upgraded = len(change.data), ex.upgraded_from
     delta_run = head.delta_run + len(change.ops_bytes)
-    snapshot_now = upgraded is not None or checkpoints.needs_snapshot(delta_run, size)
+    snapshot_now = upgraded is not None or checkpoints.needs_snapshot(
+        delta_run, size, head.deltas + 1
+    )
     inline = snapshot_now and (upgraded is not None or size <= checkpoints.INLINE_SNAPSHOT_BYTES)
     commit = StepCommit(
         run_id=ex.run_id,
@@ -220,6 +222,7 @@ def _head_of(commit: StepCommit, snapshot_now: bool) -> Head:
         state_hash=commit.state_hash,
         size=commit.size,
         delta_run=0 if snapshot_now else commit.delta_run,
+        deltas=0 if snapshot_now else commit.head.deltas + 1,
         schema_version=commit.schema_version,
         agent_version=commit.agent_version,
         step=commit.step,

@@ -24,7 +24,7 @@ from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
 from durability.faults import fault
 from durability.models import Checkpoint, Run, Snapshot
 from durability.store import reconnect, store
-from durability.store.base import write_checkpoint
+from durability.store.base import HEAD_COLUMNS, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,12 @@ class Head:
     agent_version: str
     step: str
     next_step: str
+    # Patches since the nearest snapshot (``needs_snapshot``'s ``deltas``), when known: a
+    # head read back from the database passes what its rebuild walked.
+    deltas: int = 0
 
     @classmethod
-    def of(cls, cp: Checkpoint) -> Head:
+    def of(cls, cp: Checkpoint, deltas: int = 0) -> Head:
         return cls(
             id=cp.id,
             seq=cp.seq,
@@ -61,6 +64,7 @@ class Head:
             agent_version=cp.agent_version,
             step=cp.step,
             next_step=cp.next_step,
+            deltas=deltas,
         )
 
     @property
@@ -354,7 +358,10 @@ class Rebuilt:
 def rebuild(checkpoint_id: int) -> Rebuilt:
     """The full state of a checkpoint: its nearest snapshot ancestor with every later patch
     on the path applied, read in one query."""
-    rows = store().chain(checkpoint_id)
+    return _rebuilt(checkpoint_id, store().chain(checkpoint_id))
+
+
+def _rebuilt(checkpoint_id: int, rows: list[tuple]) -> Rebuilt:
     if not rows:
         raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} does not exist")
     first_id, snap, text, digest, base_hash = rows[0]
@@ -400,27 +407,54 @@ def verified_state(cp: Checkpoint) -> tuple[Any, bytes, Rebuilt]:
     """Rebuild a checkpoint and check it against its hashes before anyone uses it: the
     snapshot it starts from against its digest, each patch after it through the state
     hashes they chain, the result against the checkpoint's state hash, and that hash
-    against the chain.
+    against the chain. Returns the state, its canonical bytes and the rebuild.
 
     Raises ``IntegrityViolation`` naming the first checkpoint that does not verify."""
+    parent_chain = cp.parent_chain or (cp.parent.chain_hash if cp.parent is not None else "")
+    rebuilt = _verified(cp, parent_chain)
     try:
-        rebuilt = rebuild(cp.id)
         data = canonical.dumps(rebuilt.state)
+    except Exception as exc:
+        raise _first_bad(cp, f"cannot be encoded ({type(exc).__name__}: {exc})") from None
+    return rebuilt.state, data, rebuilt
+
+
+def run_state(run_id: Any, seq: int | None = None) -> Rebuilt | None:
+    """The verified rebuild of a run's head checkpoint, or of its checkpoint ``seq`` (None if
+    there is no such run or checkpoint): what ``verified_state`` checks, with the checkpoint,
+    its parent's chain hash and its chain read in one statement, and without encoding the
+    state again (its bytes are not asked for)."""
+    head, rows = store().head_chain(run_id, seq)
+    if head is None:
+        return None
+    *fields, parent_chain = head
+    cp = Checkpoint(**dict(zip(HEAD_COLUMNS[:-1], fields, strict=True)))
+    return _verified(cp, parent_chain, rows)
+
+
+def _verified(cp: Checkpoint, parent_chain: str, rows: list[tuple] | None = None) -> Rebuilt:
+    try:
+        rebuilt = _rebuilt(cp.id, store().chain(cp.id) if rows is None else rows)
     except IntegrityViolation:
         raise
     except Exception as exc:  # a patch that no longer applies, bytes that no longer parse
         raise _first_bad(cp, f"cannot be rebuilt ({type(exc).__name__}: {exc})") from None
     if seal(rebuilt.base_hash, rebuilt.snapshot.encode()) != rebuilt.digest:
         raise _first_bad(cp, "the snapshot it is rebuilt from does not match its digest")
+    # The rebuilt state's hash, without hashing the rebuilt state: a checkpoint stored as a
+    # patch hashes its parent's hash and the patch's bytes, so chaining the snapshot's
+    # (sealed) hash through the bytes of the patches applied gives the hash of the state
+    # they produce. Just as strong as hashing the result: the patches applied are exactly
+    # those hashed, and applying them is deterministic (each was proven, when written, to
+    # reproduce its state byte for byte).
     state_hash = rebuilt.base_hash
     for patch in rebuilt.patches:
         state_hash = canonical.patched(state_hash, patch.encode())
     if state_hash != cp.state_hash:
         raise _first_bad(cp, "the patches it is rebuilt from do not lead to its state hash")
-    parent_chain = cp.parent_chain or (cp.parent.chain_hash if cp.parent is not None else "")
     if chain_of(cp, parent_chain) != cp.chain_hash:
         raise _first_bad(cp, "its chain hash does not match its contents")
-    return rebuilt.state, data, rebuilt
+    return rebuilt
 
 
 def _first_bad(cp: Checkpoint, fallback: str) -> IntegrityViolation:
@@ -440,10 +474,15 @@ def _first_bad(cp: Checkpoint, fallback: str) -> IntegrityViolation:
 # --- snapshots off the hot path -------------------------------------------------------------
 
 
-def needs_snapshot(delta_run: int, size: int) -> bool:
-    """Policy by bytes: once the patches since the last snapshot outweigh the state, the
-    next rebuild would read more than twice the state, so write a snapshot."""
-    return delta_run > size
+def needs_snapshot(delta_run: int, size: int, deltas: int = 0) -> bool:
+    """Whether the checkpoint about to be written gets a snapshot (off the step's path, on
+    the snapshot thread, unless it is small enough to ride in the commit). By bytes: once
+    the patches since the last snapshot (``delta_run``) outweigh the state, the next
+    rebuild would read more than twice the state. By count: a state that only grows
+    outweighs its patches almost never, and every patch costs a rebuild a row, a parse and
+    a hash whatever its size; so ``deltas``, the patches since the last snapshot including
+    this one, never exceeds ``DURABILITY_SNAPSHOT_MAX_DELTAS``."""
+    return delta_run > size or deltas >= conf.SNAPSHOT_MAX_DELTAS
 
 
 # A snapshot this small rides in the commit statement itself (no second transaction, no

@@ -112,6 +112,22 @@ class Whole(Kind[int]):
             return None
 
 
+class Counted(Whole):
+    """A whole number with a floor (a count that must be at least one, say)."""
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+        self.noun = f"a whole number of at least {minimum}"
+
+    def accept(self, value: object) -> int | None:
+        found = super().accept(value)
+        return found if found is not None and found >= self.minimum else None
+
+    def parse(self, text: str) -> int | None:
+        found = super().parse(text)
+        return found if found is not None and found >= self.minimum else None
+
+
 class Number(Kind[float]):
     noun = "a number"
 
@@ -328,6 +344,9 @@ class Engine(Declarations):
     # The database
     PREPARED_STATEMENTS = Setting(FLAG, True, "prepare the commit statement per connection")
     SEND_AHEAD = Setting(FLAG, True, "send a checkpoint and start the next step before the answer")
+    SNAPSHOT_MAX_DELTAS = Setting(
+        Counted(1), 500, "most patches between two snapshots: the most a state load applies"
+    )
     DB_WAIT_SECONDS = Setting(
         NUMBER, 300.0, "how long a worker retries recording a result while the database is away"
     )

@@ -265,7 +265,7 @@ class Stepping:
                 run_id=self.run_id,
             )
         state, data, rebuilt = checkpoints.verified_state(cp)
-        self.head = Head.of(cp)
+        self.head = Head.of(cp, deltas=rebuilt.deltas)
         self.pc = cp.next_step
         self._new_identity(cp.id, cp.seq)
         if cp.replay_base_id is not None:
@@ -282,7 +282,7 @@ class Stepping:
         if rebuilt.deltas and rebuilt.bytes_read > 2 * len(data):
             # A snapshot the policy asked for was lost with its process: write it now.
             self.commits.snapshots.submit(cp.id, cp.state_hash, data)
-            self.head.delta_run = 0
+            self.head.delta_run = self.head.deltas = 0
         self.data = data
         self.pristine = state
         self.start_bytes = data

@@ -11,7 +11,7 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
 from durability import END, Agent, canonical, checkpoints, operations, registry
-from durability.errors import FencedOut, IntegrityViolation
+from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint, UnknownRun
 from durability.integrity import verify_run
 from durability.models import Checkpoint, Event, Mutation, Run, RunStatus, Snapshot
 from durability.testing import drive, state_of
@@ -156,17 +156,58 @@ def test_a_changed_patch_is_named_at_its_own_checkpoint():
     checkpoints.verified_state(Checkpoint.objects.get(run=run, seq=2))
 
 
+def test_the_latest_state_load_makes_every_check_of_a_rebuild():
+    """``state_at`` (the CLI's ``show``) finds the checkpoint and its chain in one statement
+    and checks what ``verified_state`` checks: a changed patch, a changed head hash, a changed
+    parent chain hash or a changed snapshot each stop it, naming the checkpoint."""
+    run = operations.start("hash-grow", {"n": 6})
+    drive(run.id)
+    assert operations.state_at(run.id) == operations.state_at(str(run.id)[:8])
+    assert operations.state_at(run.id)["n"] == 6
+    third = checkpoints.verified_state(Checkpoint.objects.get(run=run, seq=3))[0]
+    assert operations.state_at(run.id, 3) == operations.state_at(str(run.id), "3") == third
+    assert operations.state_at(run.id, 3)["n"] == 3
+    with pytest.raises(UnknownCheckpoint, match="run has no checkpoint #9 "):
+        operations.state_at(run.id, 9)
+    with pytest.raises(UnknownRun):
+        operations.state_at(uuid.uuid4())
+    head = Checkpoint.objects.get(run=run, seq=6)
+    parent = Checkpoint.objects.get(run=run, seq=5)
+    for change in (
+        lambda: rewrite("mutation", head.pk, "line 6", "line 7"),
+        lambda: Checkpoint.objects.filter(pk=head.pk).update(state_hash="0" * 64),
+        lambda: Checkpoint.objects.filter(pk=parent.pk).update(chain_hash="0" * 64),
+        lambda: rewrite("snapshot", Snapshot.objects.get(checkpoint__run=run).pk, '"n":', '"N":'),
+    ):
+        saved = (
+            list(Checkpoint.objects.filter(run=run).values_list("pk", "state_hash", "chain_hash")),
+            list(Mutation.objects.filter(checkpoint__run=run).values_list("pk", "ops")),
+            list(Snapshot.objects.filter(checkpoint__run=run).values_list("pk", "state")),
+        )
+        change()
+        with pytest.raises(IntegrityViolation, match=r"checkpoint #\d does not verify"):
+            operations.state_at(run.id)
+        for pk, state_hash, chain_hash in saved[0]:
+            Checkpoint.objects.filter(pk=pk).update(state_hash=state_hash, chain_hash=chain_hash)
+        for pk, ops in saved[1]:
+            Mutation.objects.filter(pk=pk).update(ops=ops)
+        for pk, state in saved[2]:
+            Snapshot.objects.filter(pk=pk).update(state=state)
+        assert operations.state_at(run.id)["n"] == 6
+
+
 # --- the migration that re-seals checkpoints written under the old rule ---------------------
 
 BEFORE = [("durability", "0005_run_composite_indexes_only")]
 
 
 def migrate(target=None):
-    """To ``target``, or to the latest migration (0006 re-seals, and the code under test
-    needs every later one too)."""
+    """To ``target``, or to the latest migration of every app (0006 re-seals, and the code
+    under test needs every later one too; going back also unapplies the apps whose
+    migrations depend on the engine's, such as the LangGraph saver's)."""
     executor = MigrationExecutor(connection)
     executor.loader.build_graph()
-    executor.migrate(target or executor.loader.graph.leaf_nodes("durability"))
+    executor.migrate(target or executor.loader.graph.leaf_nodes())
 
 
 def whole_hashes(run) -> dict[int, str]:

@@ -149,3 +149,10 @@ def test_a_bad_value_is_a_clear_error(tmp_path, name, value, message):
     done = settings_with(tmp_path, **{name: value})
     assert done.returncode != 0
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_snapshot_cap_below_one_is_refused_by_name(tmp_path, value):
+    done = settings_with(tmp_path, DURABILITY_SNAPSHOT_MAX_DELTAS=value)
+    assert done.returncode != 0
+    assert f"DURABILITY_SNAPSHOT_MAX_DELTAS={value}" in done.stderr.replace("'", "")

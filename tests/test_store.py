@@ -205,3 +205,14 @@ def test_only_a_lost_connection_is_retried_and_never_inside_a_transaction():
     with transaction.atomic(), pytest.raises(OperationalError):
         reconnect.retrying(flaky, give_up_after=10)
     assert len(calls) == 1
+
+
+def test_a_snapshot_is_due_by_bytes_or_by_the_count_of_patches(settings):
+    settings.DURABILITY_SNAPSHOT_MAX_DELTAS = 4
+    # A state that only grows: its patches never outweigh it, the count decides.
+    assert not checkpoints.needs_snapshot(delta_run=3_000, size=10_000, deltas=3)
+    assert checkpoints.needs_snapshot(delta_run=4_000, size=10_000, deltas=4)
+    # Patches heavier than the state: due however few they are.
+    assert checkpoints.needs_snapshot(delta_run=10_001, size=10_000, deltas=1)
+    cp = Checkpoint(id=1, seq=3, state_hash="h", chain_hash="c", size=1)
+    assert Head.of(cp, deltas=3).deltas == 3 and Head.of(cp).deltas == 0

@@ -21,7 +21,6 @@ from durability.models import (
     Effect,
     EffectStatus,
     Message,
-    Mutation,
     Repeat,
     Run,
 )
@@ -35,6 +34,7 @@ from durability.operations._runs import (
 )
 from durability.operations._start import wake_parent
 from durability.rollbacks import EffectDone
+from durability.store.base import write_checkpoint
 
 
 @dataclass
@@ -293,7 +293,7 @@ def _new_head(run: Run, target: Checkpoint, by: str) -> Checkpoint:
         schema_version=target.schema_version,
         agent_version=target.agent_version,
     )
-    cp = Checkpoint.objects.create(
+    return write_checkpoint(
         run=run,
         seq=seq,
         parent=target,
@@ -307,12 +307,12 @@ def _new_head(run: Run, target: Checkpoint, by: str) -> Checkpoint:
         config_hash=target.config_hash,
         packages=target.packages,
         size=target.size,
-        delta_size=2,
-        delta_run=target.delta_run + 2,
+        delta_size=len(canonical.EMPTY_PATCH),
+        delta_run=target.delta_run + len(canonical.EMPTY_PATCH),
         created_by=by,
+        ops=canonical.EMPTY_PATCH.decode(),
+        count=0,
     )
-    Mutation.objects.create(checkpoint=cp, ops="[]", count=0)
-    return cp
 
 
 def _leave_branch(

@@ -69,11 +69,32 @@ def _checkpoint_of(run: Run, seq: int | None = None, checkpoint_id: int | None =
 
 
 def state_at(ref: Any, seq: int | None = None) -> Any:
-    """The verified state of a run at checkpoint ``seq`` (default: the head)."""
+    """The verified state of a run at checkpoint ``seq`` (default: the head; for a ``Run``,
+    the head it was read with)."""
+    run_id: uuid.UUID | None
+    if isinstance(ref, Run):
+        run_id, seq = ref.id, ref.head_seq if seq is None else seq
+    else:
+        run_id = _as_uuid(ref)
+    if run_id is not None and (seq is None or type(seq) is int):
+        rebuilt = checkpoints.run_state(run_id, seq)
+        if rebuilt is not None:
+            return rebuilt.state
+    # A prefix, a number given as text, or no such run or checkpoint: found (or refused,
+    # with the reason) the long way.
     run = get_run(ref)
     cp = _checkpoint_of(run, run.head_seq if seq is None else seq)
     state, _, _ = checkpoints.verified_state(cp)
     return state
+
+
+def _as_uuid(ref: Any) -> uuid.UUID | None:
+    if isinstance(ref, uuid.UUID):
+        return ref
+    try:
+        return uuid.UUID(str(ref).strip())
+    except ValueError:
+        return None
 
 
 def _encoded(value: Any, what: str, limit_setting: Setting[int]) -> bytes:

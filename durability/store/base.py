@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, Q
-from django.db.models.functions import Now
+from django.db.models import Exists, OuterRef, Q, Subquery, Value
+from django.db.models.functions import Coalesce, Now, NullIf
 from django.utils import timezone
 
 from durability import events, lifecycle
@@ -80,6 +80,22 @@ SELECT chain.id, chain.snap,
        chain.state_hash
   FROM chain ORDER BY chain.depth DESC
 """
+
+
+# ``Store.head``'s columns: what verifying a checkpoint's state needs of it, the last its
+# parent's chain hash (the one its own chain hash is linked to).
+HEAD_COLUMNS = (
+    "id",
+    "run_id",
+    "seq",
+    "step",
+    "next_step",
+    "schema_version",
+    "agent_version",
+    "state_hash",
+    "chain_hash",
+    "parent_chain",
+)
 
 
 def write_checkpoint(
@@ -209,6 +225,28 @@ class Store:
         with self.conn.cursor() as cur:
             cur.execute(CHAIN_SQL, [checkpoint_id])
             return cur.fetchall()
+
+    def head(self, run_id: Any, seq: int | None = None) -> tuple | None:
+        """A run's head checkpoint (or its checkpoint ``seq``) as ``HEAD_COLUMNS``; None if
+        there is no such run or checkpoint."""
+        head_seq = Run.objects.filter(pk=run_id).values("head_seq")[:1]
+        parent_chain = Checkpoint.objects.filter(pk=OuterRef("parent_id")).values("chain_hash")[:1]
+        return (
+            Checkpoint.objects.using(self.conn.alias)
+            .filter(run_id=run_id, seq=Subquery(head_seq) if seq is None else seq)
+            .annotate(
+                parent_chain_=Coalesce(
+                    NullIf("parent_chain", Value("")), Subquery(parent_chain), Value("")
+                )
+            )
+            .values_list(*HEAD_COLUMNS[:-1], "parent_chain_")
+            .first()
+        )
+
+    def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
+        """``head`` and its ``chain`` rows; (None, []) if there is no such run or checkpoint."""
+        head = self.head(run_id, seq)
+        return (head, self.chain(head[0])) if head is not None else (None, [])
 
     def insert_journal_if_absent(self, entry: JournalEntry) -> JournalEntry:
         """Store ``entry`` unless its operation identity is recorded already; the stored one."""

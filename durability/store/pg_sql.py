@@ -149,3 +149,47 @@ COMMIT_FIGURES = (
     " FROM durability_event WHERE created_at >= %s AND kind IN (%s, %s)"
     " AND (commit_us IS NOT NULL OR kind = 'checkpoint')"
 )
+
+# A run's state at its head (or at checkpoint ``seq``) in one round trip: the checkpoint with
+# what verifying it needs, and the rows of ``base.CHAIN_SQL`` from it (``Store.head_chain``).
+# Its parent's chain hash (the one its own is linked to; stored on it once compaction removed
+# the parent) is a scalar subquery rather than a join of the checkpoint table to itself, and
+# the statement is prepared once per session: ``state_at`` (the CLI's ``show``)
+# then plans nothing. Columns: the chain's five, then the checkpoint's (``base.HEAD_COLUMNS``)
+# on its own row only.
+HEAD_CHAIN = """
+WITH RECURSIVE head AS (
+    SELECT c.id, c.run_id, c.seq, c.step, c.next_step, c.schema_version, c.agent_version,
+           c.state_hash, c.chain_hash,
+           COALESCE(NULLIF(c.parent_chain, ''),
+                    (SELECT p.chain_hash FROM durability_checkpoint p WHERE p.id = c.parent_id),
+                    '') AS parent_chain,
+           c.parent_id
+      FROM durability_run r
+      JOIN durability_checkpoint c
+        ON c.run_id = r.id AND c.seq = COALESCE(%(seq)s::integer, r.head_seq)
+     WHERE r.id = %(run)s::uuid
+), chain(id, parent_id, depth, snap, state_hash) AS (
+    SELECT h.id, h.parent_id, 0,
+           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = h.id), h.state_hash
+      FROM head h
+    UNION ALL
+    SELECT p.id, p.parent_id, chain.depth + 1,
+           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = p.id), p.state_hash
+      FROM durability_checkpoint p JOIN chain ON p.id = chain.parent_id
+     WHERE chain.snap IS NULL
+)
+SELECT chain.id, chain.snap,
+       CASE WHEN chain.snap IS NULL
+            THEN (SELECT m.ops FROM durability_mutation m WHERE m.checkpoint_id = chain.id)
+            ELSE (SELECT s.state FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
+       END,
+       CASE WHEN chain.snap IS NULL THEN NULL
+            ELSE (SELECT s.digest FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
+       END,
+       chain.state_hash,
+       h.id, h.run_id, h.seq, h.step, h.next_step, h.schema_version, h.agent_version,
+       h.state_hash, h.chain_hash, h.parent_chain
+  FROM chain LEFT JOIN head h ON h.id = chain.id
+ ORDER BY chain.depth DESC
+"""

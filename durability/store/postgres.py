@@ -19,7 +19,7 @@ from durability.conf import conf
 from durability.faults import faults_armed
 from durability.models import EventKind, JournalEntry
 from durability.store import pg_sql
-from durability.store.base import RunLock, Store
+from durability.store.base import CHAIN_SQL, RunLock, Store
 from durability.store.reconnect import drop
 
 if TYPE_CHECKING:
@@ -159,6 +159,13 @@ class PostgresStore(Store):
         """Run one of the engine's hot statements and return its first row. A
         server-side-binding cursor prepares the statement once per session instead of
         parsing and planning it on every step."""
+        return self._prepared(sql, values, all_rows=False)
+
+    def fetch_all_prepared(self, sql: str, values: Any) -> list[tuple]:
+        """``fetch_one_prepared``, every row."""
+        return self._prepared(sql, values, all_rows=True)
+
+    def _prepared(self, sql: str, values: Any, *, all_rows: bool) -> Any:
         self.conn.ensure_connection()
         raw = self.conn.connection
         prepare = conf.PREPARED_STATEMENTS
@@ -171,7 +178,20 @@ class PostgresStore(Store):
         values = redact.scrub(values)
         with self.conn.wrap_database_errors, psycopg.Cursor(raw) as cur:
             cur.execute(sql, values, prepare=prepare or None)
-            return cur.fetchone()
+            return cur.fetchall() if all_rows else cur.fetchone()
+
+    # --- reading checkpoints ---------------------------------------------------------------
+
+    def chain(self, checkpoint_id: int) -> list[tuple]:
+        """``CHAIN_SQL``'s rows, prepared: its recursive plan is made once per session."""
+        return self.fetch_all_prepared(CHAIN_SQL, [checkpoint_id])
+
+    def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
+        """In one prepared statement."""
+        rows = self.fetch_all_prepared(pg_sql.HEAD_CHAIN, {"run": run_id, "seq": seq})
+        if not rows:
+            return None, []
+        return rows[-1][5:], [row[:5] for row in rows]
 
     def commit_step(self, c: StepCommit, data: str, inside: Callable[[], None]) -> int | None:
         if c.durability == "replicated":
