@@ -11,8 +11,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The suite covers the LangGraph checkpointer too: its extra comes with the test tools.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,langgraph]'
 	touch $@
 
 install: $(VENV)/.installed
