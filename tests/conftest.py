@@ -22,6 +22,34 @@ pytest_plugins: list[str] = []
 
 
 @pytest.fixture(scope="session", autouse=True)
+def flush_retries_deadlocks():
+    """A transactional test ends with Django's flush (one TRUNCATE of every table) while a
+    module's live workers may be sweeping or claiming: PostgreSQL can find the two
+    deadlocked and cancel the flush, which then fails the next test with the rows it left.
+    The flush is all-or-nothing (one transaction), so trying it again is safe."""
+    from django.core.management.base import CommandError
+    from django.core.management.commands import flush
+    from django.db import OperationalError
+
+    original = flush.Command.handle
+
+    def handle(self, **options):
+        for attempt in range(5):
+            try:
+                return original(self, **options)
+            except CommandError as exc:
+                cause = exc.__cause__
+                deadlock = isinstance(cause, OperationalError) and "deadlock" in str(cause)
+                if not deadlock or attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+    flush.Command.handle = handle
+    yield
+    flush.Command.handle = original
+
+
+@pytest.fixture(scope="session", autouse=True)
 def static_root():
     # WhiteNoise warns (an error here) on any request when the static root is missing, and a
     # fresh checkout has none until collectstatic runs: any module must pass on its own.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.db import connection
@@ -195,7 +196,15 @@ def test_async_matches_in_memory():
         return first["__interrupt__"][0].value, second, states, third
 
     ours, theirs = both(graphs.approval())
-    assert asyncio.run(go(ours, config())) == asyncio.run(go(theirs, config()))
+    assert in_own_loop(go(ours, config())) == in_own_loop(go(theirs, config()))
+
+
+def in_own_loop(coroutine):
+    """``asyncio.run`` on a thread of its own: the browser tests' Playwright (sync API) keeps
+    an event loop running on this thread for the whole session, and asyncio.run refuses to
+    start a second one there."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def test_list_filter_before_limit_and_delete():
