@@ -58,17 +58,16 @@ class RunLock:
 
 # The rebuild's one query: the checkpoint's ancestors back to the nearest snapshot, oldest
 # first, each with its patch (or the snapshot's state and digest) and its state hash.
-CHAIN_SQL = """
-WITH RECURSIVE chain(id, parent_id, depth, snap, state_hash) AS (
-    SELECT c.id, c.parent_id, 0,
-           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = c.id), c.state_hash
-      FROM durability_checkpoint c WHERE c.id = %s
-    UNION ALL
+# The recursive step of the walk from a checkpoint up to its nearest snapshot, and the
+# columns each row of it yields: shared with ``pg_sql.HEAD_CHAIN``, which starts the same walk
+# from a run's head.
+CHAIN_STEP = """
     SELECT p.id, p.parent_id, chain.depth + 1,
            (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = p.id), p.state_hash
       FROM durability_checkpoint p JOIN chain ON p.id = chain.parent_id
      WHERE chain.snap IS NULL
-)
+"""
+CHAIN_COLUMNS = """
 SELECT chain.id, chain.snap,
        CASE WHEN chain.snap IS NULL
             THEN (SELECT m.ops FROM durability_mutation m WHERE m.checkpoint_id = chain.id)
@@ -77,7 +76,14 @@ SELECT chain.id, chain.snap,
        CASE WHEN chain.snap IS NULL THEN NULL
             ELSE (SELECT s.digest FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
        END,
-       chain.state_hash
+       chain.state_hash"""
+CHAIN_SQL = f"""
+WITH RECURSIVE chain(id, parent_id, depth, snap, state_hash) AS (
+    SELECT c.id, c.parent_id, 0,
+           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = c.id), c.state_hash
+      FROM durability_checkpoint c WHERE c.id = %s
+    UNION ALL{CHAIN_STEP})
+{CHAIN_COLUMNS}
   FROM chain ORDER BY chain.depth DESC
 """
 

@@ -7,6 +7,8 @@ plain INSERT + COMMIT, against ~2.9x for the same writes as four ORM statements)
 
 from __future__ import annotations
 
+from durability.store.base import CHAIN_COLUMNS, CHAIN_STEP
+
 COMMIT = """
 WITH {cfg}r AS (
     UPDATE durability_run
@@ -157,7 +159,7 @@ COMMIT_FIGURES = (
 # the statement is prepared once per session: ``state_at`` (the CLI's ``show``)
 # then plans nothing. Columns: the chain's five, then the checkpoint's (``base.HEAD_COLUMNS``)
 # on its own row only.
-HEAD_CHAIN = """
+HEAD_CHAIN = f"""
 WITH RECURSIVE head AS (
     SELECT c.id, c.run_id, c.seq, c.step, c.next_step, c.schema_version, c.agent_version,
            c.state_hash, c.chain_hash,
@@ -173,21 +175,8 @@ WITH RECURSIVE head AS (
     SELECT h.id, h.parent_id, 0,
            (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = h.id), h.state_hash
       FROM head h
-    UNION ALL
-    SELECT p.id, p.parent_id, chain.depth + 1,
-           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = p.id), p.state_hash
-      FROM durability_checkpoint p JOIN chain ON p.id = chain.parent_id
-     WHERE chain.snap IS NULL
-)
-SELECT chain.id, chain.snap,
-       CASE WHEN chain.snap IS NULL
-            THEN (SELECT m.ops FROM durability_mutation m WHERE m.checkpoint_id = chain.id)
-            ELSE (SELECT s.state FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
-       END,
-       CASE WHEN chain.snap IS NULL THEN NULL
-            ELSE (SELECT s.digest FROM durability_snapshot s WHERE s.checkpoint_id = chain.id)
-       END,
-       chain.state_hash,
+    UNION ALL{CHAIN_STEP})
+{CHAIN_COLUMNS},
        h.id, h.run_id, h.seq, h.step, h.next_step, h.schema_version, h.agent_version,
        h.state_hash, h.chain_hash, h.parent_chain
   FROM chain LEFT JOIN head h ON h.id = chain.id
