@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from django.db import connection, transaction
 
 from durability import END, Agent, DurabilityPolicy, checkpoints, operations, registry
-from durability.checkpoints import Head, StepCommit
 from durability.errors import AgentDefinitionError, InvalidInput
 from durability.models import Checkpoint, Run, RunStatus
 from durability.testing import drive, state_of
+from tests.commit_helpers import empty_commit
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,28 +28,8 @@ def agents():
 def _commit_in_a_transaction(run: Run, level: str) -> str:
     """Commit one checkpoint at ``level`` inside a transaction and read the setting the
     commit will be made with."""
-    head = Head.of(Checkpoint.objects.get(run=run, seq=0))
     Run.objects.filter(pk=run.pk).update(lease_token=7, status=RunStatus.RUNNING)
-    commit = StepCommit(
-        run_id=run.pk,
-        token=7,
-        head=head,
-        worker="t",
-        step="count",
-        next_step="count",
-        ops_bytes=b"[]",
-        ops_count=0,
-        state_hash=head.state_hash,
-        chain_hash="c" * 64,
-        size=head.size,
-        delta_run=2,
-        schema_version=1,
-        agent_version="1",
-        commit_id=uuid.uuid4(),
-        prev_commit_us=None,
-        lease_seconds=30,
-        durability=level,
-    )
+    commit = empty_commit(run, 7, "count", durability=level)
     with transaction.atomic():
         checkpoints.commit_step(commit)
         with connection.cursor() as cur:

@@ -21,6 +21,7 @@ from durability.store import for_connection, reconnect, store
 from durability.store import langgraph as lg_store
 from durability.store.postgres import PostgresStore
 from durability.store.sqlite import SqliteStore
+from tests.commit_helpers import empty_commit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -43,26 +44,7 @@ def _leased(token: int = 7) -> Run:
 
 
 def _commit(run: Run, token: int) -> StepCommit:
-    head = Head.of(Checkpoint.objects.get(run=run, seq=0))
-    return StepCommit(
-        run_id=run.pk,
-        token=token,
-        head=head,
-        worker="t",
-        step="once",
-        next_step="once",
-        ops_bytes=b"[]",
-        ops_count=0,
-        state_hash=head.state_hash,
-        chain_hash="c" * 64,
-        size=head.size,
-        delta_run=2,
-        schema_version=1,
-        agent_version="1",
-        commit_id=uuid.uuid4(),
-        prev_commit_us=None,
-        lease_seconds=30,
-    )
+    return empty_commit(run, token, "once")
 
 
 def test_the_store_is_the_one_of_the_database_in_use():
