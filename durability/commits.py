@@ -121,7 +121,7 @@ class Commits:
                 self.failed += 1
                 telemetry.count("commit_failures")
             failed = True
-            if not self.wait_for_database():
+            if not reconnect.wait_for_database():
                 raise LeaseLost("the database stayed unreachable") from None
             found = checkpoints.committed_id(self.run_id, commit.commit_id)
             if found is not None:
@@ -149,11 +149,6 @@ class Commits:
         at = {"seq": seq, "worker": self.worker}
         events.record(events.commit_failed(self.run_id, failed_commits=self.failed, **at))
         self.failed = 0
-
-    @staticmethod
-    def wait_for_database() -> bool:
-        """Poll until the database answers again (True) or the wait is too long (False)."""
-        return reconnect.wait_for_database()
 
     def still_ours(self, head_seq: int | None) -> bool:
         """After the database was away: the lease is still ours, and the head we hold in

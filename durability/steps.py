@@ -210,7 +210,7 @@ class Stepping:
             # The commit sent ahead failed with the database: whether it landed is for the
             # next execution to find out, from what the database holds.
             return Outcome.LOST
-        if not Commits.wait_for_database() or not self.commits.still_ours(self.head.seq):
+        if not reconnect.wait_for_database() or not self.commits.still_ours(self.head.seq):
             return Outcome.LOST
         return AGAIN
 
