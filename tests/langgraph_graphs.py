@@ -4,7 +4,9 @@ contract tests and its benchmark. Message ids are fixed, so two runs compare equ
 from __future__ import annotations
 
 import operator
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Annotated, TypedDict
 
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
@@ -86,8 +88,12 @@ class Fan(TypedDict):
 FAIL = {"b": 0}
 
 
-def branches() -> StateGraph:
-    """Two branches in one superstep; ``b`` fails (once per FAIL["b"]) after ``a`` wrote."""
+def branches(a_saved: Callable[[], bool] | None = None) -> StateGraph:
+    """Two branches in one superstep; ``b`` fails (once per FAIL["b"]) after ``a`` wrote.
+
+    LangGraph cancels a superstep's other tasks when one fails, so on a loaded machine ``b``
+    could fail before ``a`` finished; given ``a_saved`` (true once the checkpointer holds
+    ``a``'s write), ``b`` waits for it before failing."""
 
     def a(state: Fan) -> dict:
         CALLS["a"] += 1
@@ -96,6 +102,9 @@ def branches() -> StateGraph:
     def b(state: Fan) -> dict:
         CALLS["b"] += 1
         if FAIL["b"] > 0:
+            deadline = time.monotonic() + 30
+            while a_saved is not None and not a_saved() and time.monotonic() < deadline:
+                time.sleep(0.005)
             FAIL["b"] -= 1
             raise RuntimeError("b failed")
         return {"log": ["b"]}
@@ -199,7 +208,6 @@ def pairs(turns: int, pause: float = 0.0, announce: bool = False) -> StateGraph:
     """Supersteps of two parallel nodes (``a``, then a slower ``b``), each appending a
     message of about 1 KB, and a ``count`` node between them, for ``turns`` rounds. With
     ``announce``, each node prints a line as it starts (the crash tests kill on them)."""
-    import time
 
     def node(name: str, wait: float):
         def run(state: Chat) -> dict:

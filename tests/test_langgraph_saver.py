@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,6 +54,16 @@ def history(graph, cfg) -> list:
         )
         for s in graph.get_state_history(cfg)
     ]
+
+
+def a_saved(saver, cfg) -> Callable[[], bool]:
+    """True once ``saver`` holds branch ``a``'s write (for ``graphs.branches``)."""
+
+    def check() -> bool:
+        saved = saver.get_tuple(cfg)
+        return saved is not None and any(w[1:] == ("log", ["a"]) for w in saved.pending_writes)
+
+    return check
 
 
 def both(builder, **compile_kwargs):
@@ -151,18 +162,20 @@ def test_subgraph_namespaces_are_child_runs():
 def test_parallel_branch_failure_keeps_the_other_branch_writes():
     outcomes = []
     for saver in (DurableSaver(), InMemorySaver()):
-        graph = graphs.branches().compile(checkpointer=saver)
         cfg = config()
+        graph = graphs.branches(a_saved(saver, cfg)).compile(checkpointer=saver)
         graphs.CALLS.clear()
         graphs.FAIL["b"] = 1
         with pytest.raises(RuntimeError, match="b failed"):
-            graph.invoke({"log": []}, cfg)
+            # "sync": the history is compared, and a background ("async") save can record
+            # the join's barrier as it is later (see tests/test_langgraph_crash.py).
+            graph.invoke({"log": []}, cfg, durability="sync")
         state = graph.get_state(cfg)
         writes = sorted(
             (w[1], w[2]) for w in saver.get_tuple(cfg).pending_writes if w[1] != "__error__"
         )
         errors = [t.name for t in state.tasks if t.error is not None]
-        final = graph.invoke(None, cfg)
+        final = graph.invoke(None, cfg, durability="sync")
         outcomes.append(
             (writes, errors, state.next, final, dict(graphs.CALLS), history(graph, cfg))
         )
@@ -178,7 +191,8 @@ def test_a_new_saver_continues_from_the_last_checkpoint():
     graphs.CALLS.clear()
     graphs.FAIL["b"] = 1
     cfg = config()
-    graph = graphs.branches().compile(checkpointer=DurableSaver())
+    saver = DurableSaver()
+    graph = graphs.branches(a_saved(saver, cfg)).compile(checkpointer=saver)
     with pytest.raises(RuntimeError):
         graph.invoke({"log": []}, cfg)
     fresh = graphs.branches().compile(checkpointer=DurableSaver())
