@@ -29,6 +29,7 @@ COPY config config
 COPY durability durability
 COPY workers workers
 COPY dashboard dashboard
+COPY api api
 COPY examples examples
 COPY templates templates
 # collectstatic needs settings, not a key or a database: a throwaway key and var dir keep the
