@@ -84,7 +84,7 @@ def doorbell(enabled: bool) -> Iterator[None]:
 def execute_until_done(run_id: Any, should_stop: Callable[[], bool] | None = None) -> str:
     """Execute a run in this process; a yielded slice is executed again (the engine hands a
     long run back every DURABILITY_SLICE_SECONDS)."""
-    from durability import executor
+    from durability.runtime import executor
 
     while True:
         outcome = executor.execute(run_id, should_stop=should_stop)

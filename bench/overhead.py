@@ -118,8 +118,9 @@ def engine_loop(
     from django.db import connection
     from django.test.utils import override_settings
 
-    from durability import inflight, operations
+    from durability import operations
     from durability.models import Checkpoint
+    from durability.runtime import inflight
 
     run = operations.start(agent_name, {"kb": kb, "n": n}, by="bench", durability=durability)
     with connection.cursor() as cur:
@@ -413,8 +414,8 @@ def profile(b: Bench) -> None:
     from durability import operations
 
     wanted = (
-        ("durability.executor", "run"),
-        ("durability.executor", "_commit"),
+        ("durability.runtime.executor", "run"),
+        ("durability.runtime.executor", "_commit"),
         ("durability.checkpoints", "commit_step"),
         ("durability.canonical", "dumps"),
         ("durability.canonical", "loads"),
@@ -422,8 +423,8 @@ def profile(b: Bench) -> None:
         ("durability.canonical", "check_json"),
         ("durability.diff", "diff"),
         ("durability.diff", "apply"),
-        ("durability.checkpointing", "redact_changes"),
-        ("durability.context", "__init__"),
+        ("durability.runtime.checkpointing", "redact_changes"),
+        ("durability.runtime.context", "__init__"),
         ("durability.checkpoints", "link"),
         ("durability.checkpoints", "submit"),
         ("durability.agents", "validate"),

@@ -275,7 +275,7 @@ def effect_args(effect: Effect) -> Any:
 
 # --- what a recovery cost, and what a failure left ----------------------------------------------
 
-# Events that end a step's execution and carry the calls it replayed (durability.executor).
+# Events that end a step's execution and carry the calls it replayed (durability.runtime.executor).
 _REPLAY_CARRIERS = (
     EventKind.CHECKPOINT,
     EventKind.SUSPENDED,

@@ -144,7 +144,7 @@ def _tone(e: Event) -> str:
 
 def _event_items(e: Event) -> list[Item]:
     """An event's item, after one item per call the step took from the journal instead of
-    paying again (the event that ended the step names them: see durability.executor)."""
+    paying again (the event that ended the step names them: see durability.runtime.executor)."""
     event = _event_item(e)
     carrier = e.kind in _REPLAY_CARRIERS and '"replayed"' in e.data
     replayed = canonical.loads_object(e.data).get("replayed") if carrier else None

@@ -120,7 +120,7 @@ def __getattr__(name: str):
 
         return EditRefused
     if name in ("Context", "Decision", "NOT_DONE"):
-        from durability import context
+        from durability.runtime import context
 
         return getattr(context, name)
     raise AttributeError(f"module 'durability' has no attribute {name!r}")

@@ -18,11 +18,12 @@ from typing import Any
 
 from django.db import IntegrityError, connection, transaction
 
-from durability import canonical, diff, inflight
+from durability import canonical, diff
 from durability.conf import conf
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
-from durability.faults import fault
 from durability.models import Checkpoint, Run, Snapshot
+from durability.runtime import inflight
+from durability.runtime.faults import fault
 from durability.store import reconnect, store
 from durability.store.base import HEAD_COLUMNS, write_checkpoint
 
@@ -264,7 +265,7 @@ def can_send_ahead(c: StepCommit) -> bool:
     """Whether this commit may be sent without waiting for its answer: PostgreSQL, outside
     any transaction of the caller's, and a level with nothing to wait for besides the local
     flush (a replicated commit has its own timeout). Fault points keep it: they fire where
-    a crash with a commit in flight would happen (``durability.sendahead``)."""
+    a crash with a commit in flight would happen (``durability.runtime.sendahead``)."""
     return (
         conf.SEND_AHEAD
         and store().sends_ahead

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from durability.waits import Suspension
+    from durability.runtime.waits import Suspension
 
 
 class DurabilityError(Exception):
@@ -213,7 +213,7 @@ class Permanent(Exception):
 class Suspend(BaseException):  # noqa: N818 - a signal, not an error
     """Unwinds a step that waits (approval, timer, in-doubt effect); the worker is released.
 
-    Carries a ``durability.context.Suspension`` saying what to record and what to re-check.
+    Carries a ``durability.runtime.context.Suspension`` saying what to record and what to re-check.
     """
 
     def __init__(self, suspension: Suspension) -> None:

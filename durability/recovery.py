@@ -27,8 +27,8 @@ from django.db.models.functions import Coalesce, Now
 
 from durability import dispatch, events, leases, lifecycle
 from durability.conf import conf
-from durability.faults import fault
 from durability.models import TIMED_WAITS, Run, RunStatus, WaitReason
+from durability.runtime.faults import fault
 from durability.store import store
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from typing import Any
 from django.utils import timezone
 
 from durability import operations
-from durability.executor import Outcome, execute
-from durability.faults import SimulatedCrash
 from durability.models import FINISHED, TIMED_WAITS, Run, RunStatus
+from durability.runtime.executor import Outcome, execute
+from durability.runtime.faults import SimulatedCrash
 
 
 def wait_until(

@@ -61,7 +61,7 @@ def commit_channels(django_db_setup):
     # Commits sent ahead go over a connection per thread that Django does not know of: it
     # must be gone before the test database is dropped.
     yield
-    from durability import inflight
+    from durability.runtime import inflight
 
     inflight.close_all()
 

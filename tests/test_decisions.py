@@ -19,10 +19,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from durability import Agent, inflight, operations, registry
+from durability import Agent, operations, registry
 from durability.errors import InvalidTransition, Permanent, Stale
-from durability.executor import execute
-from durability.faults import SimulatedCrash
 from durability.models import (
     FINISHED,
     TIMED_WAITS,
@@ -34,6 +32,9 @@ from durability.models import (
     Run,
     RunStatus,
 )
+from durability.runtime import inflight
+from durability.runtime.executor import execute
+from durability.runtime.faults import SimulatedCrash
 from durability.testing import drive, state_of, wait_until
 from tests.dashboard_helpers import (
     as_operator,

@@ -374,7 +374,7 @@ def test_transient_errors_are_retried_with_backoff_without_a_sleeping_worker():
 
     agent("x-flaky", steps=[step], retry=RetryPolicy(base=0.05, cap=0.1))
     run = operations.start("x-flaky", {})
-    execute_once = __import__("durability.executor", fromlist=["execute"]).execute
+    execute_once = __import__("durability.runtime.executor", fromlist=["execute"]).execute
     assert execute_once(run.id) == "retry"
     queued = Run.objects.get(pk=run.id)
     assert (queued.status, queued.wait_reason, queued.lease_owner) == ("queued", "retry", "")
@@ -581,7 +581,7 @@ def test_durable_sleep_releases_the_worker_and_wakes_when_due():
     agent_def = registry.get("test-sleeper")
     assert agent_def is not None
     run = operations.start("test-sleeper", {"seconds": 0.3})
-    from durability.executor import execute
+    from durability.runtime.executor import execute
 
     assert execute(run.id) == "suspended"
     waiting = Run.objects.get(pk=run.id)
@@ -622,7 +622,7 @@ def test_cancel_fences_out_the_worker_at_its_next_commit():
 
     agent("x-cancel", steps=[wait_for_cancel])
     run = operations.start("x-cancel", {})
-    from durability.executor import execute
+    from durability.runtime.executor import execute
 
     outcome = []
 
@@ -695,7 +695,7 @@ def test_a_version_that_cannot_continue_a_checkpoint_hands_the_run_back():
     drive(run.id)
     operations.decide(run.id, "go", approve=True, by="ops")
     agent("x-versions", steps=[ask], version="2")  # same schema, no compatibility declared
-    from durability.executor import execute
+    from durability.runtime.executor import execute
 
     assert execute(run.id) == "yielded"
     waiting = Run.objects.get(pk=run.id)
@@ -716,7 +716,7 @@ def test_a_worker_without_the_agent_hands_the_run_back_instead_of_failing_it():
     agent("x-elsewhere", steps=[step])
     run = operations.start("x-elsewhere", {})
     registry.unregister("x-elsewhere")  # this process now plays an older deploy's worker
-    from durability.executor import execute
+    from durability.runtime.executor import execute
 
     assert execute(run.id) == "yielded"
     waiting = Run.objects.get(pk=run.id)
@@ -733,7 +733,8 @@ def test_a_delivery_that_finds_the_lock_of_a_run_handed_back_rings_again():
 
     from django.db import connection as thread_connection
 
-    from durability import dispatch, executor, leases
+    from durability import dispatch, leases
+    from durability.runtime import executor
     from workers.dispatcher import publish
 
     def step(state, ctx):
@@ -867,7 +868,7 @@ def test_a_step_abandoned_in_a_query_hands_the_run_back_on_a_new_session():
     import signal
     import threading
 
-    from durability.executor import Outcome, execute
+    from durability.runtime.executor import Outcome, execute
     from workers import shutdown
 
     a = agent("x-abandon-in-query")

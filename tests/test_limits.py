@@ -81,7 +81,7 @@ def test_a_run_over_the_limit_waits_in_the_database_saying_why():
 
     first, second, third = (operations.start("x-slots", {}) for _ in range(3))
     Run.objects.filter(pk__in=[first.id, second.id]).update(status=RunStatus.RUNNING)
-    from durability.executor import execute
+    from durability.runtime.executor import execute
 
     assert execute(third.id) == "skipped"
     parked = Run.objects.get(pk=third.id)

@@ -15,9 +15,9 @@ import pytest
 from django.urls import reverse
 
 from durability import END, Agent, operations, registry
-from durability.executor import execute
-from durability.faults import SimulatedCrash
 from durability.models import Event, EventKind, JournalEntry, Run, RunStatus
+from durability.runtime.executor import execute
+from durability.runtime.faults import SimulatedCrash
 from durability.testing import drive, wait_until
 from tests.dashboard_helpers import as_operator, operator
 

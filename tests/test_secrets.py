@@ -21,7 +21,6 @@ from django.conf import settings
 from django.db import connection
 
 from durability import END, Agent, operations, registry
-from durability.context import ArgsHash, args_hash
 from durability.errors import NonDeterminismError
 from durability.models import (
     Approval,
@@ -33,6 +32,7 @@ from durability.models import (
     Run,
     RunStatus,
 )
+from durability.runtime.context import ArgsHash, args_hash
 from durability.testing import drive, wait_until
 from tests.otlp import OTLPReceiver
 from tests.procs import ROOT

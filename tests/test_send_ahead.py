@@ -13,9 +13,9 @@ import pytest
 from django.db import connection, connections
 
 from durability import END, Agent, RetryPolicy, operations, registry
-from durability.executor import Outcome, execute
-from durability.faults import SimulatedCrash
 from durability.models import Checkpoint, Event, EventKind, JournalEntry, RunStatus
+from durability.runtime.executor import Outcome, execute
+from durability.runtime.faults import SimulatedCrash
 from durability.testing import drive, state_of
 
 pytestmark = [
@@ -200,7 +200,7 @@ def test_a_step_that_raises_waits_for_the_commit_before_its_failure_is_written(s
 
 
 def test_a_commit_session_ended_while_idle_is_replaced_without_a_failed_commit(side):
-    from durability import inflight
+    from durability.runtime import inflight
 
     def step(state, ctx):
         state["n"] = state.get("n", 0) + 1

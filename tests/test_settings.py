@@ -97,7 +97,7 @@ def test_server_sessions_notice_a_silent_server(tmp_path):
 def test_the_sessions_of_this_process_and_its_commit_channel_have_them():
     from django.db import connection
 
-    from durability import inflight
+    from durability.runtime import inflight
 
     if connection.vendor != "postgresql":
         pytest.skip("TCP options are PostgreSQL's")

@@ -6,8 +6,9 @@ import os
 
 from celery import shared_task
 
-from durability import executor, recovery
-from durability.faults import fault
+from durability import recovery
+from durability.runtime import executor
+from durability.runtime.faults import fault
 from workers import shutdown
 
 

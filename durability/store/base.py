@@ -31,7 +31,7 @@ from durability.models import (
 
 if TYPE_CHECKING:
     from durability.checkpoints import StepCommit
-    from durability.inflight import Bound
+    from durability.runtime.inflight import Bound
 
 
 class RunLock:
@@ -126,7 +126,7 @@ class Store:
     # Whether the runs' input has a trigram index for text search (``text_page``).
     indexed_text_search = False
     # Whether a step's commit can be sent on a channel of its own and its answer taken
-    # later (``durability.sendahead``): the next step computes meanwhile.
+    # later (``durability.runtime.sendahead``): the next step computes meanwhile.
     sends_ahead = False
 
     def __init__(self, conn: Any) -> None:

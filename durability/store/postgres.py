@@ -14,10 +14,11 @@ from django.db import OperationalError, transaction
 from django.db.models import Aggregate, BooleanField, Count, FloatField, Q
 from django.db.models.expressions import RawSQL
 
-from durability import events, inflight, lifecycle, redact
+from durability import events, lifecycle, redact
 from durability.conf import conf
-from durability.faults import faults_armed
 from durability.models import EventKind, JournalEntry
+from durability.runtime import inflight
+from durability.runtime.faults import faults_armed
 from durability.store import pg_sql
 from durability.store.base import CHAIN_SQL, RunLock, Store
 from durability.store.reconnect import drop

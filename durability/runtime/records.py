@@ -30,7 +30,7 @@ from durability.models import (
 from durability.redact import accepted_hashes, keyed_hash
 
 if TYPE_CHECKING:
-    from durability.sendahead import Settled
+    from durability.runtime.sendahead import Settled
 
 
 def outcome_recorded[T](write: Callable[[], T]) -> T:

@@ -20,7 +20,6 @@ from django.utils import timezone
 from durability import canonical, dispatch, events, telemetry
 from durability import rollbacks as rollbacks
 from durability.errors import EffectFailed, Suspend, Transient
-from durability.faults import fault
 from durability.models import (
     AbandonedEffect,
     Checkpoint,
@@ -31,13 +30,14 @@ from durability.models import (
     Repeat,
     WaitReason,
 )
-from durability.records import ArgsHash, function_name, jsonable, outcome_recorded
 from durability.redact import redact
-from durability.waits import Suspension, Waits
+from durability.runtime.faults import fault
+from durability.runtime.records import ArgsHash, function_name, jsonable, outcome_recorded
+from durability.runtime.waits import Suspension, Waits
 
 if TYPE_CHECKING:
-    from durability.records import Records, WhatIf
-    from durability.sendahead import Settled
+    from durability.runtime.records import Records, WhatIf
+    from durability.runtime.sendahead import Settled
 
 NOT_DONE = object()
 """What a ``reconcile`` function returns when it knows the effect did not happen."""

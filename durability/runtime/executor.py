@@ -21,22 +21,10 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from durability import (
-    canonical,
-    checkpointing,
-    checkpoints,
-    dispatch,
-    events,
-    leases,
-    lifecycle,
-    telemetry,
-)
+from durability import canonical, checkpoints, dispatch, events, leases, lifecycle, telemetry
 from durability.agents import Agent, registry
 from durability.checkpoints import Head
-from durability.claims import free_slot, ring_again_if_handed_back, tell_parent, trace_claim
-from durability.commits import Commits
 from durability.conf import conf
-from durability.context import Context, Records, Suspension, WhatIf
 from durability.errors import (
     Abandon,
     DurabilityError,
@@ -49,11 +37,15 @@ from durability.errors import (
     StepError,
     UnknownAgent,
 )
-from durability.faults import fault
 from durability.models import Durability, Event, Run, WaitReason
 from durability.redact import scope as secrets_scope
-from durability.sendahead import Settled
-from durability.steps import AGAIN, Outcome, Stepping, step_deadline, timeout_paused
+from durability.runtime import checkpointing
+from durability.runtime.claims import free_slot, ring_again_if_handed_back, tell_parent, trace_claim
+from durability.runtime.commits import Commits
+from durability.runtime.context import Context, Records, Suspension, WhatIf
+from durability.runtime.faults import fault
+from durability.runtime.sendahead import Settled
+from durability.runtime.steps import AGAIN, Outcome, Stepping, step_deadline, timeout_paused
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from django.db import DatabaseError
 from durability import checkpoints, telemetry
 from durability.checkpoints import Head, StepCommit
 from durability.errors import Abandon, FencedOut, LeaseLost
-from durability.faults import fault
+from durability.runtime.faults import fault
 from durability.store import reconnect
 
 if TYPE_CHECKING:
-    from durability.commits import Commits
+    from durability.runtime.commits import Commits
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
-from durability import canonical, journal, telemetry
-from durability.effects import NOT_DONE, Effects
+from durability import canonical, telemetry
 from durability.errors import LeaseLost, NonDeterminismError, SecretMissing, Suspend
-from durability.faults import fault
 from durability.models import CallKind, JournalEntry, Run, WaitReason
-from durability.records import (
+from durability.redact import MIN_SECRET_CHARS, redact, remember
+from durability.runtime import journal
+from durability.runtime.effects import NOT_DONE, Effects
+from durability.runtime.faults import fault
+from durability.runtime.records import (
     ArgsHash,
     Records,
     WhatIf,
@@ -39,11 +41,10 @@ from durability.records import (
     llm_meta,
     outcome_recorded,
 )
-from durability.redact import MIN_SECRET_CHARS, redact, remember
-from durability.waits import Decision, Suspension, Waits
+from durability.runtime.waits import Decision, Suspension, Waits
 
 if TYPE_CHECKING:
-    from durability.sendahead import Settled
+    from durability.runtime.sendahead import Settled
 
 
 class Context(Effects, Waits):

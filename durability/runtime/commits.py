@@ -14,11 +14,12 @@ from typing import Any
 
 from django.db import IntegrityError
 
-from durability import checkpoints, events, inflight, telemetry
+from durability import checkpoints, events, telemetry
 from durability.checkpoints import Head, SnapshotWriter, StepCommit
 from durability.errors import FencedOut, LeaseLost
 from durability.models import Run
-from durability.sendahead import InFlight, SendAhead, Settled
+from durability.runtime import inflight
+from durability.runtime.sendahead import InFlight, SendAhead, Settled
 from durability.store import reconnect
 
 log = logging.getLogger(__name__)

@@ -118,7 +118,7 @@ def fault(point: str, **context: Any) -> None:
 
 def _commit_in_flight() -> bool:
     """Whether this thread has a commit sent ahead whose answer is not taken."""
-    from durability import inflight
+    from durability.runtime import inflight
 
     return inflight.channel().busy
 

@@ -24,7 +24,7 @@ from durability.errors import (
     StepError,
 )
 from durability.redact import contains_secret, is_secret_key, redact
-from durability.sendahead import Settled
+from durability.runtime.sendahead import Settled
 
 
 @dataclass

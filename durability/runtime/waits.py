@@ -18,7 +18,6 @@ from django.utils import timezone
 
 from durability import approvals, canonical, events, telemetry
 from durability.errors import Suspend
-from durability.faults import fault
 from durability.models import (
     Approval,
     ApprovalStatus,
@@ -28,12 +27,13 @@ from durability.models import (
     Run,
     WaitReason,
 )
-from durability.records import args_hash
 from durability.redact import redact
+from durability.runtime.faults import fault
+from durability.runtime.records import args_hash
 
 if TYPE_CHECKING:
-    from durability.records import Records
-    from durability.sendahead import Settled
+    from durability.runtime.records import Records
+    from durability.runtime.sendahead import Settled
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class Waits:
         (``result`` is a succeeded child's final state). Recorded once all have finished,
         so a replay sees the same answer even if a child is later resumed."""
         # Recorded under the function's name: it stays where the journal says it is.
-        from durability.context import ChildrenPending, _join_results
+        from durability.runtime.context import ChildrenPending, _join_results
 
         self._settled(durable=True)
         ids = [str(c) for c in children]

@@ -19,10 +19,7 @@ from django.db import DatabaseError
 
 from durability import canonical, checkpoints, telemetry
 from durability.agents import Ending
-from durability.checkpointing import encode
 from durability.checkpoints import Head
-from durability.commits import Commits
-from durability.context import Context
 from durability.errors import (
     Abandon,
     FencedOut,
@@ -32,11 +29,14 @@ from durability.errors import (
     Suspend,
 )
 from durability.models import Checkpoint, Run
+from durability.runtime.checkpointing import encode
+from durability.runtime.commits import Commits
+from durability.runtime.context import Context
 from durability.store import reconnect, store
 
 if TYPE_CHECKING:
     from durability.agents import Agent
-    from durability.waits import Suspension
+    from durability.runtime.waits import Suspension
 
 log = logging.getLogger(__name__)
 
