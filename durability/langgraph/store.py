@@ -24,11 +24,13 @@ from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
 from durability.langgraph.latest import Stored
 from durability.langgraph.models import Thread
+from durability.langgraph.status import MID_RUN
 from durability.models import Checkpoint, CheckpointReason, Event, EventKind, Run, RunStatus
 from durability.store import langgraph as lg_store
 from durability.store.langgraph import AGENT_VERSION, SCHEMA_VERSION
 
-WAIT_DETAIL = "a LangGraph thread: it goes on when its graph is invoked again"
+# A new thread's run waits for its graph to go on (``status``: what the saver reports).
+WAIT_DETAIL = MID_RUN
 
 
 @dataclass(slots=True)
