@@ -1,7 +1,7 @@
 """A LangGraph graph executed in its user's own process (the runnable example,
 examples/langgraph_support.py, run as a real process): its run's status as its checkpoints
 say, the CLI's words for it, and every operation that needs a worker refused with DUR120,
-changing nothing, from the engine and from the CLI."""
+changing nothing, from the engine, the CLI and the API."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from durability.langgraph.runs import BADGE, outside_workers
 from durability.models import Approval, Event, Message, Run
 from examples import langgraph_support
 from tests import conftest
+from tests.api_helpers import api_for, problem, user_with
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -138,3 +139,20 @@ def test_the_cli_refuses_a_cancel_with_a_coded_line_and_changes_nothing():
     assert snapshot(run) == before
     # Reading is no action: it works as on any run.
     assert operations.verify(run.id)[0].ok
+
+
+def test_the_api_refuses_them_too_with_the_same_coded_error(live_server):
+    """The API calls the same operations: a 409 problem with DUR120, nothing changed."""
+    run = interrupted_here(f"api-{uuid.uuid4().hex[:8]}")
+    ops = api_for(live_server, user_with("operator in the policy group", "omar"), "ops")
+    before = snapshot(run)
+    for action, body in (
+        ("cancel", {"reason": "stop"}),
+        ("resume", {}),
+        ("rollback", {"checkpoint": 1}),
+    ):
+        answer = problem(ops.post(f"/runs/{run.id}/{action}", body), 409, "DUR120")
+        assert "executed in its own process" in answer["detail"], answer
+    assert snapshot(run) == before
+    shown = ops.get(f"/runs/{run.id}").json()
+    assert shown["status"] == "waiting", shown

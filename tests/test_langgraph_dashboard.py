@@ -15,9 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
+from typing import TypedDict
 
 import pytest
 from django.test import Client
+from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command
 from playwright.sync_api import expect
 
@@ -149,3 +151,44 @@ def test_a_direct_post_of_a_worker_action_is_refused_and_changes_nothing(users):
     for form in (f"/runs/{run.id}/fork/?from=2", f"/runs/{run.id}/rollback/?to=2"):
         shown = client.get(form)
         assert shown.status_code == 409 and "executed in its own" in shown.text, form
+
+
+class Flaky(TypedDict):
+    tries: int
+
+
+def flaky_graph():
+    """A node that raises on its first try: the run fails, and goes on when invoked again."""
+    seen: list[int] = []
+
+    def flaky(state: Flaky) -> dict:
+        seen.append(1)
+        if len(seen) == 1:
+            raise ValueError("the shop's API timed out")
+        return {"tries": len(seen)}
+
+    builder = StateGraph(Flaky)
+    builder.add_node("flaky", flaky)
+    builder.add_edge(START, "flaky")
+    builder.add_edge("flaky", END)
+    return builder
+
+
+def test_a_node_that_raised_fails_the_run_until_the_graph_goes_on(users):
+    saver = DurableSaver(graph="flaky-graph")
+    graph = flaky_graph().compile(checkpointer=saver)
+    config = {"configurable": {"thread_id": "flaky-1"}}
+    with pytest.raises(ValueError):
+        graph.invoke({"tries": 0}, config)
+    run = Run.objects.get(pk=saver.run_of("flaky-1").pk)
+    assert run.status == "failed" and run.error_code == "DUR501"
+    assert run.error == "node flaky raised ValueError: the shop's API timed out", run.error
+    client = Client()
+    client.force_login(users["operator"])
+    page = client.get(f"/runs/{run.id}/").text
+    assert "the shop&#x27;s API timed out" in page and "graph.invoke(None," in page
+    assert "Fork from checkpoint" not in page and "Roll back…" not in page
+    assert graph.invoke(None, config) == {"tries": 2}
+    saver.close()
+    run.refresh_from_db()
+    assert (run.status, run.error, run.error_code) == ("succeeded", "", "")
