@@ -86,6 +86,12 @@ def refusal(run: Run, action: str) -> ExecutedElsewhere | None:
     return None
 
 
+def graph_agents() -> list[str]:
+    """The names LangGraph graphs stored runs under (for the runs list's agent filter)."""
+    rows = Run.objects.filter(langgraph_thread__isnull=False).order_by()
+    return list(rows.values_list("agent", flat=True).distinct())
+
+
 def mark_rows(rows: Iterable[Run]) -> None:
     """Mark the runs of a list page that are executed outside the workers (``graph``)."""
     found = list(rows)

@@ -30,7 +30,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import F, Q
-from django.db.models.functions import Now
+from django.db.models.functions import Coalesce, Now
 
 from durability.errors import Stale, TransitionNotAllowed
 from durability.models import Run, RunStatus, WaitReason
@@ -263,6 +263,7 @@ def graph_waits(run_id: Any, detail: str) -> bool:
         error="",
         error_code="",
         outcome="",
+        started_at=Coalesce("started_at", Now()),  # the graph's first invocation
     )
 
 

@@ -86,6 +86,7 @@ def test_a_graph_run_on_the_list_and_its_page(web):
     row = page.locator("table.runs tr", has=page.locator(f"a[href='/runs/{run.id}/']"))
     expect(row.locator(".tag.graph")).to_have_text(BADGE)
     expect(row).to_contain_text('an answer to: {"tool": "refund"')
+    expect(page.locator("#filters select[name=agent] option[value=support-graph]")).to_have_count(1)
     page.goto(f"{web.base}/runs/{run.id}/")
     expect(page.locator("#run-graph")).to_have_text(BADGE)
     expect(page.locator("#run-status")).to_have_text("waiting")

@@ -124,7 +124,7 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
         return nothing(request)
     appended = timeline.newer(run, cursor) if news and cursor is not None else None
     graphruns.annotate(run, appended.items if appended else [])
-    graph = graphruns.graph_run(run)
+    graph = graphruns.graph_run(run) if changed_header or changed_actions else None
     context = {
         "run": run,
         "approvals": approvals,

@@ -27,7 +27,10 @@ def runs(request: HttpRequest) -> HttpResponse:
         "cursor": cursor,
         "token": token,
         "statuses": RunStatus.values,
-        "agents": sorted({*queries.agents_in_use(), *([filters.agent] if filters.agent else [])}),
+        # Registered agents, and LangGraph graphs whose runs come from their own process.
+        "agents": lambda: sorted(
+            {*queries.agents_in_use(), *graphruns.graph_agents(), filters.agent} - {""}
+        ),
         # Called by the template only where the filter form is drawn: a poll of the table
         # does not read it.
         "outcomes": lambda: queries.outcomes_in_use(filters.outcome),

@@ -112,7 +112,12 @@ def readable(doc: Any) -> Any:
     """A stored LangGraph state (``checkpoint``, ``values``, ``metadata``) with each
     serialised value decoded to readable JSON; as stored where LangGraph is missing."""
     found = serde()
-    return doc if found is None else codec.readable(doc, found)
+    shown = doc if found is None else codec.readable(doc, found)
+    if not isinstance(shown, dict):
+        return shown
+    # The channel values first: what a person opens a state or a diff for.
+    first = {key: shown[key] for key in ("values", "metadata") if key in shown}
+    return {**first, **{k: v for k, v in shown.items() if k not in first}}
 
 
 def _value(text: str, found: Any) -> Any:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
@@ -62,6 +63,7 @@ def thread_of(thread_id: str, ns: str, *, graph: str, create: bool) -> Thread | 
                 agent_version=AGENT_VERSION,
                 status=RunStatus.WAITING,
                 wait_detail=WAIT_DETAIL,
+                started_at=timezone.now(),  # made by the graph's first checkpoint
                 input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),
                 parent_run=parent.run if parent else None,
             )
