@@ -156,3 +156,30 @@ def test_the_api_refuses_them_too_with_the_same_coded_error(live_server):
     assert snapshot(run) == before
     shown = ops.get(f"/runs/{run.id}").json()
     assert shown["status"] == "waiting", shown
+
+
+def test_a_subgraph_interrupted_waits_in_its_child_run_and_goes_on_with_its_thread():
+    from langgraph.types import Command
+
+    from tests import langgraph_graphs
+
+    saver = DurableSaver(graph="sub-graph")
+    graph = langgraph_graphs.with_subgraph().compile(checkpointer=saver)
+    config = {"configurable": {"thread_id": f"sub-{uuid.uuid4().hex[:8]}"}}
+    assert "__interrupt__" in graph.invoke({"log": []}, config)
+    root = Run.objects.get(pk=saver.run_of(config["configurable"]["thread_id"]).pk)
+    (child,) = Run.objects.filter(parent_run=root)
+    assert outside_workers(root) and outside_workers(child)
+    assert child.status == "waiting" and child.wait_detail.startswith("an answer to: ")
+    shown = command("show", str(child.id))
+    # The whole thread is invoked again, never the subgraph's namespace alone.
+    thread = config["configurable"]["thread_id"]
+    assert (
+        f'graph.invoke(Command(resume=...), {{"configurable": {{"thread_id": "{thread}"}}}})'
+        in (shown)
+    ), shown
+    graph.invoke(Command(resume="blue"), config)
+    saver.close()
+    for run in (root, child):
+        run.refresh_from_db()
+        assert run.status == "succeeded", (run.status, run.wait_detail)

@@ -66,11 +66,9 @@ def refuse_outside_workers(run: Run, action: str) -> None:
 
 
 def thread_config(thread: Thread | None) -> str:
-    """The graph's config for the thread, as Python source."""
-    conf: dict[str, str] = {"thread_id": thread.thread_id if thread else "..."}
-    if thread is not None and thread.checkpoint_ns:
-        conf["checkpoint_ns"] = thread.checkpoint_ns
-    return json.dumps({"configurable": conf})
+    """The graph's config for the thread, as Python source. A subgraph's namespace goes on
+    with its whole thread: the root graph is invoked, never the namespace."""
+    return json.dumps({"configurable": {"thread_id": thread.thread_id if thread else "..."}})
 
 
 def continue_code(thread: Thread | None, *, interrupted: bool = False) -> str:
