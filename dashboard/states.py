@@ -13,6 +13,7 @@ from django.http import Http404
 from dashboard.params import ID_MAX, INT_MAX, shown
 from durability import canonical, checkpoints, diff, operations
 from durability.errors import IntegrityViolation, InvalidInput
+from durability.langgraph import describe
 from durability.models import Approval, Checkpoint, Mutation, Run
 
 
@@ -71,7 +72,13 @@ def load(cp: Checkpoint) -> Loaded:
         state, _, _ = checkpoints.verified_state(cp)
     except IntegrityViolation as exc:
         return Loaded(cp, error=str(exc))
-    return Loaded(cp, state)
+    return Loaded(cp, _for_people(cp, state))
+
+
+def _for_people(cp: Checkpoint, state: Any) -> Any:
+    """A LangGraph checkpoint's state with the values LangGraph serialised (messages,
+    interrupts) decoded to readable JSON; any other state as it is."""
+    return describe.readable(state) if describe.is_graph_checkpoint(cp) else state
 
 
 def load_pair(older: Checkpoint, newer: Checkpoint) -> tuple[Loaded, Loaded]:
@@ -84,7 +91,7 @@ def load_pair(older: Checkpoint, newer: Checkpoint) -> tuple[Loaded, Loaded]:
         old_state, data, _ = checkpoints.verified_state(older)
     except IntegrityViolation as exc:
         return Loaded(older, error=str(exc)), load(newer)
-    first = Loaded(older, old_state)
+    first = Loaded(older, _for_people(older, old_state))
     if newer.parent_id != older.id:
         return first, load(newer)
     try:
@@ -99,7 +106,7 @@ def load_pair(older: Checkpoint, newer: Checkpoint) -> tuple[Loaded, Loaded]:
         return first, load(newer)
     if not (same_state and same_chain):
         return first, load(newer)
-    return first, Loaded(newer, state)
+    return first, Loaded(newer, _for_people(newer, state))
 
 
 def previous_of(run: Run, cp: Checkpoint) -> tuple[Run, int] | None:

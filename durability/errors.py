@@ -81,6 +81,15 @@ class TransitionNotAllowed(InvalidTransition):
     code = "DUR114"
 
 
+class ExecutedElsewhere(InvalidTransition):
+    """The run is executed outside the workers (a LangGraph graph compiled with
+    ``DurableSaver`` in its own process: ``durability.langgraph.runs``), so an action that
+    needs a worker to carry it out (resume, cancel, roll back, fork, decide, resolve, send)
+    cannot be done here. Nothing was changed."""
+
+    code = "DUR120"
+
+
 class AlreadyDecided(InvalidInput):
     code = "DUR108"
 

@@ -13,9 +13,10 @@ transitions (resume, cancel, hold, restart, end) and the sweeper's requeue advan
 fencing out any worker still executing the run.
 
 Three operations are conditional by nature: ``wake`` and ``park`` hold no token, and
-``requeue`` holds only the one the sweeper read. Each acts on a run still as its caller saw
-it; a run that moved on meanwhile (woken already, claimed, finished) is no error: they return
-False and change nothing.
+``requeue`` holds only the one the sweeper read (so are the ``graph_*`` reports of a LangGraph
+graph executed in its own process, which no worker ever holds). Each acts on a run still as
+its caller saw it; a run that moved on meanwhile (woken already, claimed, finished) is no
+error: they return False and change nothing.
 
 ``claim`` (``leases.claim``) and the step commit (``checkpoints``, ``checkpoint`` and
 ``succeed`` in one statement) are written where they are for speed; they take their statuses
@@ -29,7 +30,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import F, Q
-from django.db.models.functions import Now
+from django.db.models.functions import Coalesce, Now
 
 from durability.errors import Stale, TransitionNotAllowed
 from durability.models import Run, RunStatus, WaitReason
@@ -66,6 +67,11 @@ TRANSITIONS: dict[str, Transition] = {
     "hold":       _t(ANY,                            WAITING),   # rolled back, on hold
     "restart":    _t(ANY,                            QUEUED),    # rolled back and continued
     "end":        _t(ANY,                            SUCCEEDED), # rolled back to the end
+    # A LangGraph graph executed in its own process (durability.langgraph.status) reports
+    # what its latest checkpoint says: no worker holds such a run, so never running/queued.
+    "graph_waits":  _t({WAITING, SUCCEEDED, FAILED}, WAITING),   # mid-run or interrupted
+    "graph_ended":  _t({WAITING, FAILED},            SUCCEEDED), # no next task: at its end
+    "graph_failed": _t({WAITING},                    FAILED),    # a node raised
 }
 # fmt: on
 
@@ -238,6 +244,56 @@ def requeue(run_id: Any, token: int, where: Q, **fields: Any) -> bool:
     return _apply("requeue", run_id, where=rows, bump=True, rung_at=Now(), **_UNLEASED, **fields)
 
 
+# --- a LangGraph graph executed in its own process: conditional on what is stored --------------
+
+
+def graph_waits(run_id: Any, detail: str) -> bool:
+    """The graph's latest checkpoint has tasks still to run (it is running in its process,
+    or stopped there) or an interrupt waiting for an answer (``detail`` says which). False
+    if the run already said so, or is not a graph's run in a status this applies to."""
+    detail = detail[:500]
+    return _apply(
+        "graph_waits",
+        run_id,
+        where=~Q(status=WAITING, wait_detail=detail),
+        wait_reason=WaitReason.NONE,
+        wait_detail=detail,
+        wake_at=None,
+        finished_at=None,
+        error="",
+        error_code="",
+        outcome="",
+        started_at=Coalesce("started_at", Now()),  # the graph's first invocation
+    )
+
+
+def graph_ended(run_id: Any) -> bool:
+    """The graph's latest checkpoint has no task to run: it reached its end (invoking it
+    again on the thread makes it wait again: ``graph_waits``)."""
+    return _apply(
+        "graph_ended",
+        run_id,
+        wait_reason=WaitReason.NONE,
+        wait_detail="",
+        error="",
+        error_code="",
+        finished_at=Now(),
+    )
+
+
+def graph_failed(run_id: Any, *, error: str, code: str) -> bool:
+    """A node of the graph raised: the error LangGraph stored beside its checkpoint."""
+    return _apply(
+        "graph_failed",
+        run_id,
+        wait_reason=WaitReason.NONE,
+        wait_detail="",
+        error=error[:10000],
+        error_code=code,
+        finished_at=Now(),
+    )
+
+
 # --- an operator's, on a run whose row the caller has locked ------------------------------
 
 
@@ -315,6 +371,9 @@ __all__ = [
     "claimed",
     "fail",
     "first_status",
+    "graph_ended",
+    "graph_failed",
+    "graph_waits",
     "park",
     "release",
     "requeue",

@@ -66,6 +66,10 @@ CONDITIONAL = {
     "wake": lambda run: lifecycle.wake(run.pk),
     "park": lambda run: lifecycle.park(run.pk, WaitReason.CONCURRENCY, "full", later()),
     "requeue": lambda run: lifecycle.requeue(run.pk, run.lease_token, Q()),
+    # A LangGraph graph executed in its own process reports what its checkpoints say.
+    "graph_waits": lambda run: lifecycle.graph_waits(run.pk, "an answer to: refund?"),
+    "graph_ended": lambda run: lifecycle.graph_ended(run.pk),
+    "graph_failed": lambda run: lifecycle.graph_failed(run.pk, error="boom", code="DUR501"),
 }
 
 
@@ -169,7 +173,8 @@ def test_wake_for_another_reason_changes_nothing():
 def test_every_status_pair_allowed_comes_from_the_table():
     pairs = {(s, t.target) for t in lifecycle.TRANSITIONS.values() for s in t.sources}
     assert pairs == lifecycle.ALLOWED
-    # A finished run goes nowhere but through an operator's rollback or resume.
+    # A finished run goes nowhere but through an operator's rollback or resume, or (a
+    # LangGraph graph executed in its own process) by its graph being invoked again.
     for finished in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED):
         ops = {op for op, t in lifecycle.TRANSITIONS.items() if finished in t.sources}
-        assert ops <= {"resume", "hold", "restart", "end"}
+        assert ops <= {"resume", "hold", "restart", "end", "graph_waits", "graph_ended"}

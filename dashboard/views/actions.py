@@ -19,7 +19,7 @@ from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
-from dashboard import params, present, runinfo, states
+from dashboard import graphruns, params, present, runinfo, states
 from dashboard.forms import ForkForm, ReasonForm, ResolveForm, RollbackForm, SendForm
 from dashboard.permissions import operator_required
 from dashboard.submissions import AlreadySubmitted, spend
@@ -374,6 +374,8 @@ def _check_fork(run: Run, seq: int, state: Any, by: str) -> None:
 @operator_required
 def fork(request: HttpRequest, ref: str) -> HttpResponse:
     run = states.run_or_404(ref)
+    if (elsewhere := graphruns.refusal(run, "fork it")) is not None:
+        return _engine_refused(request, run, elsewhere)  # no editor for what cannot be done
     source = request.POST if request.method == "POST" else request.GET
     cp = states.checkpoint_or_404(run, source.get("from_seq") or source.get("from") or run.head_seq)
     loaded = states.load(cp)

@@ -7,7 +7,7 @@ from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
-from dashboard import diffview, params, present, runinfo, states, timeline
+from dashboard import diffview, graphruns, params, present, runinfo, states, timeline
 from dashboard.forms import ReasonForm, SendForm
 from dashboard.permissions import mark_deciders
 from dashboard.views.common import nothing, page, rendered, snapshot
@@ -26,6 +26,8 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
     doubts = runinfo.in_doubt(run)
     rows, more_checkpoints = runinfo.checkpoint_rows(run)
     items = timeline.latest(run)
+    graphruns.annotate(run, items.items)
+    graph = graphruns.graph_run(run)
     return {
         "run": run,
         "head": next((c for c in rows if c.seq == run.head_seq), None),
@@ -41,7 +43,9 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
         "parent": _parent(run),
         "trace": runinfo.trace_of(run),
         "recoveries": runinfo.recoveries(run),
-        "failure": runinfo.failure(run),
+        # A graph executed in its own process: no worker action is offered (graphruns).
+        "failure": runinfo.failure(run) if graph is None else None,
+        "graph": graph,
         "header_token": runinfo.header_token(run),
         "actions_token": runinfo.actions_token(run, approvals, doubts),
         "can_resume": runinfo.can_resume(run),
@@ -85,7 +89,12 @@ def checkpoint_detail(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
         run = Run.objects.get(pk=run.pk)
         if request.htmx and request.htmx.target == "inspector":
             cp = states.checkpoint_or_404(run, seq)
-            context = {"run": run, "inspector": runinfo.inspector(run, cp, tab), "follow": False}
+            context = {
+                "run": run,
+                "inspector": runinfo.inspector(run, cp, tab),
+                "follow": False,
+                "graph": graphruns.graph_run(run),
+            }
             return rendered(page(request, "dashboard/run.html", context, fragment="inspector"))
         return rendered(page(request, "dashboard/run.html", _context(request, run, seq, tab)))
 
@@ -114,6 +123,8 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
     if not (changed_header or changed_actions or news):
         return nothing(request)
     appended = timeline.newer(run, cursor) if news and cursor is not None else None
+    graphruns.annotate(run, appended.items if appended else [])
+    graph = graphruns.graph_run(run) if changed_header or changed_actions else None
     context = {
         "run": run,
         "approvals": approvals,
@@ -130,6 +141,7 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
         "cancel_form": ReasonForm(prefix="cancel", reason_required=True),
         "send_form": _send_form(run),
         "poll_seconds": _poll_seconds(run),
+        "graph": graph,
         "oob": True,
     }
     if changed_header:
@@ -142,7 +154,7 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
             parent=_parent(run),
             trace=runinfo.trace_of(run),
             recoveries=runinfo.recoveries(run),
-            failure=runinfo.failure(run),
+            failure=runinfo.failure(run) if graph is None else None,
         )
     if head_moved:
         context.update(_inspector_update(request, run))
@@ -217,7 +229,9 @@ def timeline_earlier(request: HttpRequest, ref: str) -> HttpResponse:
         raise params.BadParameter(
             "before", "must be the position of an earlier page, as the run's page gave it"
         )
-    context = {"run": run, "timeline": timeline.latest(run, before=before)}
+    earlier = timeline.latest(run, before=before)
+    graphruns.annotate(run, earlier.items)
+    context = {"run": run, "timeline": earlier}
     return page(request, "dashboard/run.html", context, fragment="earlier")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
-from dashboard import queries
+from dashboard import graphruns, queries
 from dashboard.views.common import nothing, page
 from durability.models import RunStatus
 
@@ -19,6 +19,7 @@ def runs(request: HttpRequest) -> HttpResponse:
         return nothing(request)
     cursor = request.GET.get("cursor", "")
     result = queries.page(filters, cursor)
+    graphruns.mark_rows(result.rows)
     context = {
         "filters": filters,
         "query": filters.as_query(),
@@ -26,7 +27,10 @@ def runs(request: HttpRequest) -> HttpResponse:
         "cursor": cursor,
         "token": token,
         "statuses": RunStatus.values,
-        "agents": sorted({*queries.agents_in_use(), *([filters.agent] if filters.agent else [])}),
+        # Registered agents, and LangGraph graphs whose runs come from their own process.
+        "agents": lambda: sorted(
+            {*queries.agents_in_use(), *graphruns.graph_agents(), filters.agent} - {""}
+        ),
         # Called by the template only where the filter form is drawn: a poll of the table
         # does not read it.
         "outcomes": lambda: queries.outcomes_in_use(filters.outcome),

@@ -97,10 +97,25 @@ def readable(value: Any, serde: Any) -> Any:
         obj = decode(value, serde)
     except Exception as exc:  # noqa: BLE001 - a view must not fail on one bad leaf
         return {"undecodable": f"{type(exc).__name__}: {exc}"}
-    return _json_view(obj)
+    return json_view(obj)
 
 
-def _json_view(obj: Any) -> Any:
+def json_view(obj: Any) -> Any:
+    """A decoded value as JSON for people: a LangChain message as its type and the fields
+    it sets, else LangChain's JSON form, a model's fields, or its ``repr``."""
+    if type(obj) in (str, int, float, bool) or obj is None:
+        return obj
+    if isinstance(obj, list):
+        return [json_view(item) for item in obj]
+    if isinstance(obj, dict):
+        return {str(key): json_view(item) for key, item in obj.items()}
+    kind = getattr(obj, "type", None)
+    dump = getattr(obj, "model_dump", None)
+    if isinstance(kind, str) and callable(dump) and hasattr(obj, "content"):
+        try:  # a message: {"type": "ai", "content": ..., "tool_calls": ...}
+            return {"type": kind, **dump(mode="json", exclude_defaults=True)}
+        except Exception:  # noqa: BLE001 - a view must not fail on one odd value
+            pass
     try:
         from langchain_core.load import dumpd
 
@@ -118,7 +133,7 @@ def _json_view(obj: Any) -> Any:
     if isinstance(obj, (bytes, bytearray)):
         return {"bytes": len(obj)}
     if isinstance(obj, tuple):
-        return [_json_view(item) for item in obj]
+        return [json_view(item) for item in obj]
     return repr(obj)
 
 

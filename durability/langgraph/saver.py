@@ -65,9 +65,9 @@ from langgraph.checkpoint.base import (
 )
 
 from durability import canonical, checkpoints
-from durability.langgraph import codec, latest, reader, shared, store
+from durability.langgraph import codec, latest, reader, shared, status, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
-from durability.langgraph.shared import Shared
+from durability.langgraph.shared import Shared, connected, lg_config
 from durability.models import Checkpoint as StoredCheckpoint
 from durability.models import Run
 from durability.store import langgraph as lg_store
@@ -110,6 +110,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._head_seq: dict[int, int] = {}
         self._encoders: dict[int, codec.Encoder] = {}
         self._snapshots = checkpoints.SnapshotWriter()
+        self._status = status.Reporter()
         # PostgreSQL: the connections of the calls made at every superstep (see the
         # module's docstring). The first is used with ``_lock`` held.
         self._fast = lg_store.for_connection(connection).one_statement
@@ -149,7 +150,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 raise
             self._last[thread.pk] = saved
             self._head_seq[thread.pk] = saved.seq
-        return _config(thread_id, ns, checkpoint["id"])
+        if report := self._status.put(thread, checkpoint["id"], values, saved.seq):
+            self._call(report)  # a change of the run's status (``status``), seldom
+        return lg_config(thread_id, ns, checkpoint["id"])
 
     def _commit(
         self, db: Any, thread: Thread, parent_id: str, lg_id: str, doc: Any, md: Any
@@ -196,6 +199,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
         else:
             with self._lock:
                 write(connection)
+        seq = self._head_seq.get(thread.pk, 0)
+        if report := self._status.writes(thread, checkpoint_id, writes, task_path, seq):
+            self._call(report)
 
     def get_next_version(self, current: int | None, channel: None = None) -> int:
         """Integer versions: each checkpoint keeps its own channel values, so versions need
@@ -276,7 +282,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         try:
             found = self._call(self._listed, config, filter, before, limit)
         except DatabaseError:
-            if self._call(_connected):  # not a lost connection: nothing to try again
+            if self._call(connected):  # not a lost connection: nothing to try again
                 raise
             found = self._call(self._listed, config, filter, before, limit)
         yield from found
@@ -337,10 +343,10 @@ class DurableSaver(BaseCheckpointSaver[int]):
             fields, values, md = decoded[row.checkpoint_id]
             result.append(
                 CheckpointTuple(
-                    config=_config(row.thread.thread_id, row.thread.checkpoint_ns, row.lg_id),
+                    config=lg_config(row.thread.thread_id, row.thread.checkpoint_ns, row.lg_id),
                     checkpoint=cast(Checkpoint, {**fields, "channel_values": values}),
                     metadata=md,
-                    parent_config=_config(
+                    parent_config=lg_config(
                         row.thread.thread_id, row.thread.checkpoint_ns, row.lg_parent_id
                     )
                     if row.lg_parent_id
@@ -500,7 +506,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             try:
                 return fn(*args)
             except DatabaseError:
-                if not _connected():
+                if not connected():
                     drop(connection)  # lost: the next call connects again
                 raise
 
@@ -577,7 +583,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self, thread_id: str, ns: str, lg_id: str, lg_parent: str, doc: Any, writes: builtins.list
     ) -> CheckpointTuple:
         return CheckpointTuple(
-            config=_config(thread_id, ns, lg_id),
+            config=lg_config(thread_id, ns, lg_id),
             checkpoint=cast(
                 Checkpoint,
                 {
@@ -586,15 +592,6 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 },
             ),
             metadata=codec.decode(doc["metadata"], self.serde),
-            parent_config=_config(thread_id, ns, lg_parent) if lg_parent else None,
+            parent_config=lg_config(thread_id, ns, lg_parent) if lg_parent else None,
             pending_writes=writes,
         )
-
-
-def _connected() -> bool:
-    """Whether this thread's database connection is open and answers."""
-    return connection.connection is not None and connection.is_usable()
-
-
-def _config(thread_id: str, ns: str, lg_id: str) -> RunnableConfig:
-    return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": lg_id}}

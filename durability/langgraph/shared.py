@@ -7,12 +7,15 @@ import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 
 from durability import checkpoints
 from durability.store.reconnect import drop
+
+if TYPE_CHECKING:
+    from langchain_core.runnables import RunnableConfig
 
 T = TypeVar("T")
 
@@ -71,3 +74,13 @@ def shut(
     with contextlib.suppress(RuntimeError):
         worker.submit(lambda: connection.close()).result()
     worker.shutdown()
+
+
+def connected() -> bool:
+    """Whether this thread's database connection is open and answers."""
+    return connection.connection is not None and connection.is_usable()
+
+
+def lg_config(thread_id: str, ns: str, lg_id: str) -> RunnableConfig:
+    """LangGraph's config naming one checkpoint of a thread's namespace."""
+    return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": lg_id}}

@@ -19,16 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
 from durability.langgraph.latest import Stored
 from durability.langgraph.models import Thread
+from durability.langgraph.status import MID_RUN
 from durability.models import Checkpoint, CheckpointReason, Event, EventKind, Run, RunStatus
 from durability.store import langgraph as lg_store
 from durability.store.langgraph import AGENT_VERSION, SCHEMA_VERSION
 
-WAIT_DETAIL = "a LangGraph thread: it goes on when its graph is invoked again"
+# A new thread's run waits for its graph to go on (``status``: what the saver reports).
+WAIT_DETAIL = MID_RUN
 
 
 @dataclass(slots=True)
@@ -60,6 +63,7 @@ def thread_of(thread_id: str, ns: str, *, graph: str, create: bool) -> Thread | 
                 agent_version=AGENT_VERSION,
                 status=RunStatus.WAITING,
                 wait_detail=WAIT_DETAIL,
+                started_at=timezone.now(),  # made by the graph's first checkpoint
                 input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),
                 parent_run=parent.run if parent else None,
             )

@@ -8,6 +8,7 @@ from django.db import transaction
 
 from durability import checkpoints, dispatch, events, lifecycle
 from durability.errors import InvalidTransition
+from durability.langgraph.runs import refuse_outside_workers
 from durability.models import FINISHED, Approval, ApprovalStatus, Run, RunStatus, WaitReason
 from durability.operations._runs import _check_status, _check_version, _checkpoint_of, _locked
 from durability.operations._start import wake_parent
@@ -38,6 +39,7 @@ def resume(
     either changed."""
     with transaction.atomic():
         run = _locked(ref)
+        refuse_outside_workers(run, "resume it")
         _check_status(run, expected_status)
         if run.status == RunStatus.SUCCEEDED:
             raise InvalidTransition(
@@ -95,6 +97,7 @@ def _cancel_tree(ref: Any, *, by: str, reason: str, expected_version: int | None
 def _cancel_one(ref: Any, *, by: str, reason: str, expected_version: int | None = None) -> Run:
     """Inside the caller's transaction."""
     run = _locked(ref)
+    refuse_outside_workers(run, "cancel it")
     if run.status in FINISHED:
         raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
     _check_version(run, expected_version)

@@ -16,6 +16,7 @@ from durability.errors import (
     NotAllowed,
     UnknownApproval,
 )
+from durability.langgraph.runs import refuse_outside_workers
 from durability.models import Approval, ApprovalStatus, Run, RunStatus, WaitReason
 from durability.operations._runs import _check_version, _locked
 from durability.redact import redact, restore_placeholders
@@ -41,6 +42,7 @@ def decide(
     asked and the decided payload are kept, and the decision's event lists what changed."""
     with transaction.atomic():
         run = _locked(ref)
+        refuse_outside_workers(run, "decide an approval on it")
         pending = _pending(run, name, approval_id)
         _check_version(run, expected_version)
         check_may_decide(pending, by)

@@ -9,6 +9,7 @@ from django.db.models.functions import Now
 
 from durability import canonical, dispatch, events
 from durability.errors import InvalidInput, InvalidTransition, Stale, UnknownEffect
+from durability.langgraph.runs import refuse_outside_workers
 from durability.models import Effect, EffectStatus, RunStatus, WaitReason
 from durability.operations._runs import _check_version, _locked
 
@@ -34,6 +35,7 @@ def resolve_effect(
         raise InvalidInput(f"outcome must be done, failed or retry, not {outcome!r}")
     with transaction.atomic():
         run = _locked(ref)
+        refuse_outside_workers(run, "resolve an effect of it")
         effect = Effect.objects.filter(run=run, pk=effect_id).first()
         if effect is None:
             raise UnknownEffect(f"run has no effect {effect_id}", run_id=run.id)

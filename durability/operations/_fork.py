@@ -10,6 +10,7 @@ from django.db.models.functions import Now
 from durability import canonical, checkpoints, dispatch, events, lifecycle, telemetry
 from durability.agents import registry
 from durability.conf import Engine
+from durability.langgraph.runs import refuse_outside_workers
 from durability.models import Checkpoint, CheckpointReason, Run
 from durability.operations._runs import _checkpoint_of, _encoded, get_run
 from durability.redact import redact, restore_placeholders
@@ -23,6 +24,7 @@ def check_fork(ref: Any, from_seq: int, state: Any = None) -> bytes:
 
 def _fork_input(ref: Any, from_seq: int, state: Any) -> tuple[Run, Checkpoint, bytes, bool]:
     source = get_run(ref)
+    refuse_outside_workers(source, "fork it")
     target = _checkpoint_of(source, from_seq)
     definition = registry.get(source.agent)
     original, original_bytes, _ = checkpoints.verified_state(target)

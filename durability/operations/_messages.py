@@ -9,6 +9,7 @@ from django.db import transaction
 from durability import canonical, dispatch, events
 from durability.conf import Engine
 from durability.errors import IdempotencyConflict, InvalidInput, InvalidTransition
+from durability.langgraph.runs import refuse_outside_workers
 from durability.models import FINISHED, Message, RunStatus, WaitReason
 from durability.operations._runs import _check_version, _encoded, _locked
 from durability.redact import redact
@@ -36,6 +37,7 @@ def send(
     text, idempotency_key = _message(name, data, idempotency_key, expected_version)
     with transaction.atomic():
         run = _locked(ref)
+        refuse_outside_workers(run, "send it a message")
         if idempotency_key:
             first = Message.objects.filter(run=run, idempotency_key=idempotency_key).first()
             if first is not None:

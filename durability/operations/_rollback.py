@@ -11,6 +11,7 @@ from django.db import transaction
 
 from durability import canonical, checkpoints, dispatch, events, lifecycle, rollbacks
 from durability.errors import InvalidInput, InvalidTransition, Stale
+from durability.langgraph.runs import refuse_outside_workers
 from durability.models import (
     FINISHED,
     AbandonedEffect,
@@ -91,6 +92,7 @@ def plan_rollback(
     target (each with whether it can be compensated), the children it cancels, the messages
     it puts back and where the run would continue."""
     run = get_run(ref)
+    refuse_outside_workers(run, "roll it back")
     target = _checkpoint_of(run, to_seq, checkpoint_id)
     if target.seq == run.head_seq:
         raise InvalidTransition(f"checkpoint #{target.seq} is already the head", run_id=run.id)
@@ -242,6 +244,7 @@ def rollback(
     cancelled it, the run moved on), the rollback is refused (``Stale``)."""
     with transaction.atomic():
         run = _locked(ref)
+        refuse_outside_workers(run, "roll it back")
         _check_status(run, expected_status)
         _check_head(run, expected_head)
         _check_version(run, expected_version)

@@ -27,6 +27,7 @@ from durability.errors import (
     InvalidInput,
     StateNotJSON,
 )
+from durability.langgraph import cli as lg_cli
 from durability.management.cli import arguments
 from durability.management.cli.common import (
     EXIT_BAD_INPUT,
@@ -164,8 +165,11 @@ class Command(BaseCommand):
         self.say(
             f"{'run':<10}{'agent':<16}{'status':<11}{'step':<14}{'ckpts':>6}  {'age':<8}waiting on"
         )
+        graphs = lg_cli.marks(rows)  # LangGraph graphs executed in their own process
         for run in rows:
             waiting = f"{run.wait_reason} {run.wait_detail}".strip() if run.wait_reason else ""
+            if run.pk in graphs:
+                waiting = f"[{graphs[run.pk]}] {run.wait_detail[:60]}".strip()
             if run.status == RunStatus.FAILED:
                 waiting = run.error[:60]
             self.say(
@@ -176,6 +180,8 @@ class Command(BaseCommand):
 
     def do_show(self, opts: dict) -> None:
         show(self.say, opts["run"], as_json=opts["json"])
+        if not opts["json"]:
+            lg_cli.show(self.say, operations.get_run(opts["run"]))
 
     def do_resume(self, opts: dict) -> None:
         run = operations.resume(

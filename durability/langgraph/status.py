@@ -1,0 +1,181 @@
+"""The status of a LangGraph run executed in its own process, from what its saver stores.
+
+No worker holds such a run (``durability.langgraph.runs``), so the saver says where the
+graph is, from the checkpoint and writes it has just stored, through the run's state
+machine (``lifecycle.graph_*``) with an event on the timeline. The product's statuses are
+kept (none is added for LangGraph):
+
+- the latest checkpoint has tasks to run (it names them in its ``branch:to:<node>``,
+  ``__start__`` or ``__pregel_tasks`` channels) and no interrupt: ``waiting``, for the
+  graph to go on (it is running in its process, or stopped there mid-run);
+- a node called ``interrupt()``: ``waiting``, for "an answer to: <the interrupt's value>";
+- the latest checkpoint has no task to run: ``succeeded`` (the graph reached its end;
+  invoked again on its thread, it waits again);
+- a node raised (LangGraph's error write): ``failed``, with the error.
+
+Only changes are written: the saver remembers per thread what it reported last, so a
+superstep that changes nothing (the usual case) costs nothing here. A report that cannot be
+written is logged and tried again at the next checkpoint: the checkpoint is stored already.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from django.db import DatabaseError, connection, transaction
+
+from durability import events, lifecycle
+from durability.errors import StepError
+from durability.langgraph.models import Thread
+from durability.langgraph.runs import outside_workers
+from durability.models import Run
+from durability.redact import redact
+from durability.store.reconnect import drop
+
+log = logging.getLogger(__name__)
+
+MID_RUN = (
+    "its graph to go on, in its own process (running there, or stopped mid-run: it goes on"
+    " when the graph is invoked again on its thread)"
+)
+ANSWER = "an answer to: "
+INTERRUPT, ERROR = "__interrupt__", "__error__"
+_TRIGGERS = ("__start__", "__pregel_tasks")
+_BRANCH = "branch:to:"
+
+
+def next_nodes(values: Mapping[str, Any]) -> list[str]:
+    """The nodes a checkpoint's channel values say run next (empty: the graph's end).
+    ``__pregel_tasks`` stands for tasks sent with ``Send``."""
+    found = [key[len(_BRANCH) :] for key in values if key.startswith(_BRANCH)]
+    return found + [key for key in _TRIGGERS if key in values]
+
+
+def node_of(task_path: str) -> str:
+    """The node a task ran, from LangGraph's task path ("~__pregel_pull, model")."""
+    parts = [p.strip() for p in task_path.split(",")]
+    if len(parts) >= 2 and parts[0] == "~__pregel_pull":
+        return parts[1]
+    return "a sent task" if parts[0] == "~__pregel_push" else ""
+
+
+def shown(value: Any, limit: int = 400) -> str:
+    """A value as one line of JSON (redacted; a copy, the caller's object is untouched)."""
+    try:
+        copy = json.loads(json.dumps(value, default=repr))
+    except (TypeError, ValueError):
+        copy = repr(value)
+    copy, _ = redact(copy)
+    text = copy if isinstance(copy, str) else json.dumps(copy, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class Reporter:
+    """What one saver last reported per thread, and the reports still to write.
+
+    LangGraph may store a task's writes before the checkpoint they belong to (its
+    checkpoints are put in order, its writes beside them, in the background): an interrupt
+    or an error is kept by its checkpoint's id and counts once that checkpoint is the
+    latest put, never for an older one."""
+
+    def __init__(self) -> None:
+        self._said: dict[int, str] = {}
+        self._outside: dict[int, bool] = {}
+        self._latest: dict[int, tuple[str, int]] = {}  # thread -> (checkpoint id, seq)
+        self._stops: dict[int, dict[str, tuple[str, str]]] = {}  # -> id -> (kind, text)
+
+    def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
+        """After checkpoint ``lg_id`` (``values``: its channel values): the report to write
+        (on the saver's thread), if any."""
+        self._latest[thread.pk] = (lg_id, seq)
+        stops = self._stops.setdefault(thread.pk, {})
+        for old in [k for k in stops if k < lg_id]:
+            del stops[old]
+        if lg_id in stops:
+            return self._report(thread, seq, *stops[lg_id])
+        if next_nodes(values):
+            return self._report(thread, seq, "wait", MID_RUN)
+        return self._report(thread, seq, "end", "")
+
+    def writes(
+        self,
+        thread: Thread,
+        lg_id: str,
+        writes: Iterable[tuple[str, Any]],
+        task_path: str,
+        seq: int,
+    ) -> Callable | None:
+        """After a task's writes on checkpoint ``lg_id``: a report for an interrupt or an
+        error, if any, once that checkpoint is the latest. ``seq``: the run's head as the
+        saver knows it, for a thread it has put nothing on (a graph taken up again)."""
+        stop = _stop(writes, task_path)
+        if stop is None:
+            return None
+        latest, seq = self._latest.setdefault(thread.pk, (lg_id, seq))
+        if lg_id < latest:
+            return None
+        self._stops.setdefault(thread.pk, {})[lg_id] = stop
+        return self._report(thread, seq, *stop) if lg_id == latest else None
+
+    def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Callable | None:
+        said = f"{kind}:{text}"
+        if self._said.get(thread.pk) == said:
+            return None
+        self._said[thread.pk] = said
+
+        def write() -> None:
+            try:
+                if self._is_outside(thread):
+                    _write(thread.run_id, seq, kind, text)
+            except DatabaseError as exc:
+                self._said.pop(thread.pk, None)  # said again at the next checkpoint
+                if connection.connection is None or not connection.is_usable():
+                    drop(connection)  # lost: the saver's next call connects again
+                log.warning("run %s: its status was not updated (%s)", thread.run_id, str(exc))
+                _forget(exc)
+
+        return write
+
+    def _is_outside(self, thread: Thread) -> bool:
+        if thread.pk not in self._outside:
+            agent = Run.objects.filter(pk=thread.run_id).values_list("agent", flat=True).first()
+            run = Run(pk=thread.run_id, agent=agent or "")
+            self._outside[thread.pk] = agent is not None and outside_workers(run, has_thread=True)
+        return self._outside[thread.pk]
+
+
+def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] | None:
+    """What an interrupt or an error among a task's writes says of the run, if any."""
+    for channel, value in writes:
+        if channel == INTERRUPT:
+            asked = [getattr(i, "value", i) for i in (value or ())]
+            return "wait", f"{ANSWER}{'; '.join(shown(v) for v in asked) or '(no value)'}"
+        if channel == ERROR:
+            node = node_of(task_path) or "a task"
+            return "fail", shown(f"node {node} raised {type(value).__name__}: {value}", 2000)
+    return None
+
+
+def _write(run_id: Any, seq: int, kind: str, text: str) -> None:
+    """One change of status and its event, in one transaction; nothing if it is said."""
+    with transaction.atomic():
+        if kind == "wait":
+            if lifecycle.graph_waits(run_id, text):
+                events.record(events.suspended(run_id, wait="", detail=text, seq=seq))
+        elif kind == "end":
+            if lifecycle.graph_ended(run_id):
+                events.record(events.succeeded(run_id, seq=seq))
+        elif lifecycle.graph_failed(run_id, error=text, code=StepError.code):
+            events.record(events.failed(run_id, message=text, detail={}, seq=seq))
+
+
+def _forget(exc: BaseException | None) -> None:
+    """Drop the tracebacks of a handled error and its causes: the connection keeps the error
+    it rolled back for (Django's ``rollback_exc``), and its frames would keep the saver,
+    and with it its connections, alive."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

@@ -1,0 +1,185 @@
+"""A LangGraph graph executed in its user's own process (the runnable example,
+examples/langgraph_support.py, run as a real process): its run's status as its checkpoints
+say, the CLI's words for it, and every operation that needs a worker refused with DUR120,
+changing nothing, from the engine, the CLI and the API."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from durability import operations
+from durability.errors import ExecutedElsewhere
+from durability.langgraph import DurableSaver
+from durability.langgraph.models import Thread
+from durability.langgraph.runs import BADGE, outside_workers
+from durability.models import Approval, Event, Message, Run
+from examples import langgraph_support
+from tests import conftest
+from tests.api_helpers import api_for, problem, user_with
+from tests.procs import ROOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def example(thread: str, *args: str) -> str:
+    """The example, as its user runs it: a process of its own on the product's settings."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": conftest.test_database_url(),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.langgraph_support", "--thread", thread, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def interrupted_here(thread: str) -> Run:
+    """The example's graph run in this process until its interrupt."""
+    saver = DurableSaver(graph="support-graph")
+    graph = langgraph_support.build().compile(checkpointer=saver)
+    ask = {"messages": [langgraph_support.HumanMessage("broken", id="h-1")]}
+    result = graph.invoke(ask, {"configurable": {"thread_id": thread}})
+    assert "__interrupt__" in result
+    run = saver.run_of(thread)
+    saver.close()
+    gc.collect()
+    assert run is not None
+    return Run.objects.get(pk=run.pk)
+
+
+def command(*args: str) -> str:
+    out = io.StringIO()
+    call_command("durability", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_example_runs_in_its_own_process_and_its_run_says_where_it_is():
+    thread = f"example-{uuid.uuid4().hex[:8]}"
+    out = example(thread)
+    assert "waiting for an answer to: {'tool': 'refund'" in out
+    run = Thread.objects.get(thread_id=thread).run
+    assert outside_workers(run)
+    assert run.agent == "support-graph" and run.status == "waiting"
+    assert run.wait_detail.startswith('an answer to: {"tool": "refund"'), run.wait_detail
+    listed = command("list")
+    line = next(row for row in listed.splitlines() if row.startswith(run.short_id))
+    assert BADGE in line and "an answer to:" in line, line
+    shown = command("show", str(run.id))
+    assert f"{BADGE}: thread {thread} of graph support-graph" in shown
+    assert "Command(resume=...)" in shown and thread in shown
+    assert "superstep 1    model wrote messages → tools" in shown, shown
+    out = example(thread, "--answer", "yes")
+    assert "answer: Done: {'refunded': 349.0" in out
+    run.refresh_from_db()
+    assert run.status == "succeeded" and run.wait_detail == "" and run.finished_at
+    kinds = list(Event.objects.filter(run=run).values_list("kind", flat=True).order_by("id"))
+    assert kinds.count("suspended") == 2 and kinds[-1] == "succeeded", kinds
+
+
+REFUSED = {
+    "resume": lambda run: operations.resume(run.id, by="ann"),
+    "cancel": lambda run: operations.cancel(run.id, by="ann", reason="stop"),
+    "plan a rollback": lambda run: operations.plan_rollback(run.id, 1),
+    "rollback": lambda run: operations.rollback(run.id, 1, by="ann"),
+    "fork": lambda run: operations.fork(run.id, 1, by="ann"),
+    "check a fork": lambda run: operations.check_fork(run.id, 1),
+    "send": lambda run: operations.send(run.id, "user", "hi", by="ann"),
+    "decide": lambda run: operations.decide(run.id, "refund", approve=True, by="ann"),
+    "resolve": lambda run: operations.resolve_effect(run.id, 1, outcome="done", by="ann"),
+}
+
+
+def snapshot(run: Run) -> tuple:
+    row = Run.objects.filter(pk=run.pk).values().get()
+    counts = (
+        Event.objects.filter(run=run).count(),
+        Message.objects.filter(run=run).count(),
+        Approval.objects.filter(run=run).count(),
+        Run.objects.count(),
+    )
+    return row, counts
+
+
+@pytest.mark.parametrize("what", list(REFUSED))
+def test_every_operation_that_needs_a_worker_is_refused_and_changes_nothing(what):
+    run = interrupted_here(f"refused-{uuid.uuid4().hex[:8]}")
+    before = snapshot(run)
+    with pytest.raises(ExecutedElsewhere) as refused:
+        REFUSED[what](run)
+    assert refused.value.code == "DUR120"
+    text = str(refused.value)
+    assert "executed in its own process" in text and "nothing was changed" in text, text
+    assert "graph.invoke(" in text and str(run.id) in text
+    assert snapshot(run) == before
+
+
+@pytest.mark.smoke
+def test_the_cli_refuses_a_cancel_with_a_coded_line_and_changes_nothing():
+    run = interrupted_here(f"cli-{uuid.uuid4().hex[:8]}")
+    before = snapshot(run)
+    with pytest.raises(CommandError) as refused:
+        command("cancel", str(run.id), "--reason", "stop")
+    assert refused.value.returncode == 2
+    assert str(refused.value).startswith("[DUR120] cannot cancel it")
+    assert snapshot(run) == before
+    # Reading is no action: it works as on any run.
+    assert operations.verify(run.id)[0].ok
+
+
+def test_the_api_refuses_them_too_with_the_same_coded_error(live_server):
+    """The API calls the same operations: a 409 problem with DUR120, nothing changed."""
+    run = interrupted_here(f"api-{uuid.uuid4().hex[:8]}")
+    ops = api_for(live_server, user_with("operator in the policy group", "omar"), "ops")
+    before = snapshot(run)
+    for action, body in (
+        ("cancel", {"reason": "stop"}),
+        ("resume", {}),
+        ("rollback", {"checkpoint": 1}),
+    ):
+        answer = problem(ops.post(f"/runs/{run.id}/{action}", body), 409, "DUR120")
+        assert "executed in its own process" in answer["detail"], answer
+    assert snapshot(run) == before
+    shown = ops.get(f"/runs/{run.id}").json()
+    assert shown["status"] == "waiting", shown
+
+
+def test_a_subgraph_interrupted_waits_in_its_child_run_and_goes_on_with_its_thread():
+    from langgraph.types import Command
+
+    from tests import langgraph_graphs
+
+    saver = DurableSaver(graph="sub-graph")
+    graph = langgraph_graphs.with_subgraph().compile(checkpointer=saver)
+    config = {"configurable": {"thread_id": f"sub-{uuid.uuid4().hex[:8]}"}}
+    assert "__interrupt__" in graph.invoke({"log": []}, config)
+    root = Run.objects.get(pk=saver.run_of(config["configurable"]["thread_id"]).pk)
+    (child,) = Run.objects.filter(parent_run=root)
+    assert outside_workers(root) and outside_workers(child)
+    assert child.status == "waiting" and child.wait_detail.startswith("an answer to: ")
+    shown = command("show", str(child.id))
+    # The whole thread is invoked again, never the subgraph's namespace alone.
+    thread = config["configurable"]["thread_id"]
+    assert (
+        f'graph.invoke(Command(resume=...), {{"configurable": {{"thread_id": "{thread}"}}}})'
+        in (shown)
+    ), shown
+    graph.invoke(Command(resume="blue"), config)
+    saver.close()
+    for run in (root, child):
+        run.refresh_from_db()
+        assert run.status == "succeeded", (run.status, run.wait_detail)

@@ -1,0 +1,195 @@
+"""A LangGraph graph executed in its user's own process, on the dashboard, in headless
+Chromium: marked on the runs list and on its page, its timeline told as supersteps, its
+state readable at every checkpoint, the diff between two, the interrupt it waits for and
+how to answer it from its process, and no action that needs a worker offered (a direct
+POST is refused, DUR120, nothing changed). No worker runs here: the graph runs in this
+test's process, the pages are served by gunicorn.
+
+With DURABILITY_UPDATE_SCREENSHOTS=1 the run page is saved to docs/images/ for
+docs/langgraph.md."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import TypedDict
+
+import pytest
+from django.test import Client
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command
+from playwright.sync_api import expect
+
+from durability.langgraph import DurableSaver
+from durability.langgraph.runs import BADGE
+from durability.models import Event, Run
+from examples import langgraph_support
+from tests import conftest
+from tests.procs import ROOT, free_port
+from tests.test_browser_dashboard import TIMEOUT_MS, Watched, WebServer, users
+from tests.test_langgraph_cli import interrupted_here
+
+__all__ = ["users"]
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+SHOT = ROOT / "docs" / "images" / "langgraph-run.png"
+
+
+@pytest.fixture(scope="module")
+def server(django_db_setup, django_db_blocker, tmp_path_factory):
+    """The web server alone, on the test database: these runs need no worker."""
+    var = tmp_path_factory.mktemp("lg-web-var")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": conftest.test_database_url(),
+        "DURABILITY_VAR_DIR": str(var),
+        "DEBUG": "0",
+    }
+    subprocess.run(
+        [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
+    web = WebServer(env, free_port()).start()
+    yield web
+    web.stop()
+
+
+@pytest.fixture
+def web(browser, server, users):
+    watched = Watched(browser, server.url)
+    yield watched
+    try:
+        watched.check()
+    finally:
+        watched.context.close()
+
+
+def shoot(page) -> None:
+    if os.environ.get("DURABILITY_UPDATE_SCREENSHOTS") != "1":
+        return
+    SHOT.parent.mkdir(parents=True, exist_ok=True)
+    path = conftest.Path(os.environ.get("DURABILITY_TEST_ARTIFACTS", "/tmp")) / SHOT.name
+    page.screenshot(path=str(path))
+    shutil.copy(path, SHOT)
+
+
+def test_a_graph_run_on_the_list_and_its_page(web):
+    run = interrupted_here("support-42")
+    page = web.sign_in("olive")
+    row = page.locator("table.runs tr", has=page.locator(f"a[href='/runs/{run.id}/']"))
+    expect(row.locator(".tag.graph")).to_have_text(BADGE)
+    expect(row).to_contain_text('an answer to: {"tool": "refund"')
+    expect(page.locator("#filters select[name=agent] option[value=support-graph]")).to_have_count(1)
+    page.goto(f"{web.base}/runs/{run.id}/")
+    expect(page.locator("#run-graph")).to_have_text(BADGE)
+    expect(page.locator("#run-status")).to_have_text("waiting")
+    asked = page.locator("#graph-interrupt")
+    expect(asked).to_contain_text('Waiting for an answer to: {"tool": "refund", "args"')
+    expect(page.locator("#graph-resume")).to_contain_text(
+        'graph.invoke(Command(resume=...), {"configurable": {"thread_id": "support-42"}})'
+    )
+    # No action that needs a worker, and why, where the buttons would be.
+    actions = page.locator("#run-actions")
+    expect(page.locator("#graph-no-actions")).to_contain_text("not offered here")
+    offered = actions.locator("button, a.button, summary")
+    for word in ("Resume", "Cancel", "Roll back", "Fork", "Send", "Continue"):
+        expect(offered.filter(has_text=word)).to_have_count(0)
+    expect(offered.filter(has_text="Compare checkpoints")).to_have_count(1)
+    expect(page.locator("#inspector .cp-actions")).not_to_contain_text("Fork from here")
+    # The timeline tells the supersteps with their nodes and writes.
+    timeline = page.locator("#timeline-items")
+    expect(timeline).to_contain_text("superstep 1")
+    expect(timeline).to_contain_text("model wrote messages → tools")
+    expect(timeline).to_contain_text("input wrote messages → model")
+    shoot(page)
+    # The state at a checkpoint, its messages readable.
+    page.goto(f"{web.base}/runs/{run.id}/checkpoints/3/?tab=state")
+    tree = page.locator("#inspector .tree")
+    expect(tree).to_contain_text("values")
+    page.locator("#inspector .tree").get_by_text("values", exact=True).first.click()
+    expect(page.locator("#inspector")).to_contain_text("messages")
+    # The diff between two checkpoints: the message the model added, readable.
+    page.goto(f"{web.base}/runs/{run.id}/diff/?a=2&b=3")
+    expect(page.locator("main")).to_contain_text("Let me look the order up.")
+    expect(page.locator("main")).not_to_contain_text('"b64"')
+
+
+def test_the_page_follows_the_graph_answered_in_its_process(web):
+    run = interrupted_here("support-43")
+    page = web.sign_in("olive")
+    page.goto(f"{web.base}/runs/{run.id}/")
+    expect(page.locator("#graph-interrupt")).to_be_visible()
+    saver = DurableSaver(graph="support-graph")
+    graph = langgraph_support.build().compile(checkpointer=saver)
+    graph.invoke(Command(resume="yes"), {"configurable": {"thread_id": "support-43"}})
+    saver.close()
+    expect(page.locator("#run-status")).to_have_text("succeeded", timeout=TIMEOUT_MS)
+    expect(page.locator("#graph-interrupt")).to_have_count(0)
+    expect(page.locator("#timeline-items")).to_contain_text("reached its end")
+    expect(page.locator("#timeline-items")).to_contain_text("answered")
+
+
+def test_a_direct_post_of_a_worker_action_is_refused_and_changes_nothing(users):
+    run = interrupted_here("support-44")
+    client = Client()
+    client.force_login(users["operator"])
+    before = Run.objects.filter(pk=run.pk).values().get(), Event.objects.filter(run=run).count()
+    done = client.post(
+        f"/runs/{run.id}/cancel/",
+        {"cancel-reason": "stop", "cancel-version": str(run.lease_token)},
+    )
+    assert done.status_code == 409, done.status_code
+    assert "DUR120" in done.text or re.search(r"executed in its own\s+process", done.text)
+    after = Run.objects.filter(pk=run.pk).values().get(), Event.objects.filter(run=run).count()
+    assert after == before
+    for form in (f"/runs/{run.id}/fork/?from=2", f"/runs/{run.id}/rollback/?to=2"):
+        shown = client.get(form)
+        assert shown.status_code == 409 and "executed in its own" in shown.text, form
+
+
+class Flaky(TypedDict):
+    tries: int
+
+
+def flaky_graph():
+    """A node that raises on its first try: the run fails, and goes on when invoked again."""
+    seen: list[int] = []
+
+    def flaky(state: Flaky) -> dict:
+        seen.append(1)
+        if len(seen) == 1:
+            raise ValueError("the shop's API timed out")
+        return {"tries": len(seen)}
+
+    builder = StateGraph(Flaky)
+    builder.add_node("flaky", flaky)
+    builder.add_edge(START, "flaky")
+    builder.add_edge("flaky", END)
+    return builder
+
+
+def test_a_node_that_raised_fails_the_run_until_the_graph_goes_on(users):
+    saver = DurableSaver(graph="flaky-graph")
+    graph = flaky_graph().compile(checkpointer=saver)
+    config = {"configurable": {"thread_id": "flaky-1"}}
+    with pytest.raises(ValueError):
+        graph.invoke({"tries": 0}, config)
+    run = Run.objects.get(pk=saver.run_of("flaky-1").pk)
+    assert run.status == "failed" and run.error_code == "DUR501"
+    assert run.error == "node flaky raised ValueError: the shop's API timed out", run.error
+    client = Client()
+    client.force_login(users["operator"])
+    page = client.get(f"/runs/{run.id}/").text
+    assert "the shop&#x27;s API timed out" in page and "graph.invoke(None," in page
+    assert "Fork from checkpoint" not in page and "Roll back…" not in page
+    assert graph.invoke(None, config) == {"tries": 2}
+    saver.close()
+    run.refresh_from_db()
+    assert (run.status, run.error, run.error_code) == ("succeeded", "", "")
