@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import io
+import json
 import os
 import subprocess
 import sys
@@ -83,10 +84,29 @@ def test_the_example_runs_in_its_own_process_and_its_run_says_where_it_is():
     assert f"{BADGE}: thread {thread} of graph support-graph" in shown
     assert "Command(resume=...)" in shown and thread in shown
     assert "superstep 1    model wrote messages → tools" in shown, shown
+    assert " -> end " not in shown  # a graph's checkpoint names no next step: "-"
+    data = json.loads(command("show", str(run.id), "--json"))["langgraph"]
+    assert data["thread_id"] == thread and data["next"] == ["tools"]
+    assert data["interrupts"] == [
+        {
+            "node": "tools",
+            "value": {"tool": "refund", "args": data["interrupts"][0]["value"]["args"]},
+        }
+    ]
+    assert "Command(resume=" in data["how_to_continue"]
+    step1 = next(s for s in data["supersteps"] if s["title"] == "superstep 1")
+    assert step1["tasks"] == [
+        {"node": "model", "wrote": ["messages"], "routes": ["tools"], "error": None}
+        | {"interrupts": [], "answers": []}
+    ]
     out = example(thread, "--answer", "yes")
     assert "answer: Done: {'refunded': 349.0" in out
     run.refresh_from_db()
     assert run.status == "succeeded" and run.wait_detail == "" and run.finished_at
+    done = json.loads(command("show", str(run.id), "--json"))["langgraph"]
+    assert done["next"] == [] and done["how_to_continue"] is None
+    native = operations.start("research", {"question": "What is a fencing token?"}, by="ann")
+    assert json.loads(command("show", str(native.id), "--json"))["langgraph"] is None
     kinds = list(Event.objects.filter(run=run).values_list("kind", flat=True).order_by("id"))
     assert kinds.count("suspended") == 2 and kinds[-1] == "succeeded", kinds
 

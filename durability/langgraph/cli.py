@@ -3,6 +3,7 @@ and ``durability show``): the mark, what it waits for, how to continue it, its s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -21,15 +22,71 @@ def marks(rows: list[Run]) -> dict[Any, str]:
     return dict.fromkeys(outside_workers_among(rows), BADGE)
 
 
+def _waiting(run: Run) -> describe.Waiting:
+    try:
+        head = operations.state_at(run)
+    except DurabilityError:  # a head that does not verify: say what the rows say
+        head = {}
+    return describe.waiting(run, head.get("values") if isinstance(head, dict) else None)
+
+
+def _supersteps(run: Run) -> dict[int, describe.Superstep]:
+    seqs = Checkpoint.objects.filter(run=run).order_by("-seq").values_list("seq", flat=True)
+    return describe.supersteps(run.pk, list(seqs[:SUPERSTEPS_SHOWN]))
+
+
+def as_json(run: Run) -> dict[str, Any] | None:
+    """For ``show --json``: the graph's thread, what it waits for, how to continue it and
+    its latest supersteps, if the run is a graph executed outside the workers (else None)."""
+    if not outside_workers(run):
+        return None
+    waiting = _waiting(run)
+    thread = waiting.thread
+    return {
+        "executed_by": "its own process (DurableSaver), not the workers",
+        "thread_id": thread.thread_id if thread else None,
+        "checkpoint_ns": thread.checkpoint_ns if thread else None,
+        "next": list(waiting.next),
+        "interrupts": [{"node": n, "value": _json(v)} for n, v in waiting.interrupts],
+        "errors": [{"node": n, "error": e} for n, e in waiting.errors],
+        "how_to_continue": None if run.status == "succeeded" else waiting.code,
+        "supersteps": [
+            {
+                "seq": seq,
+                "title": step.title,
+                "source": step.source,
+                "step": step.step,
+                "checkpoint_id": step.lg_id,
+                "tasks": [
+                    {
+                        "node": t.node,
+                        "wrote": t.channels,
+                        "routes": t.routes,
+                        "error": t.error or None,
+                        "interrupts": [_json(i) for i in t.interrupts],
+                        "answers": [_json(a) for a in t.answers],
+                    }
+                    for t in step.tasks
+                ],
+            }
+            for seq, step in sorted(_supersteps(run).items())
+        ],
+    }
+
+
+def _json(text: str) -> Any:
+    """An interrupt's value or an answer, stored as JSON text where it could be encoded."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def show(say: Callable[[str], None], run: Run) -> None:
     """For ``show``: the run as its graph's, if it is executed outside the workers."""
     if not outside_workers(run):
         return
-    try:
-        head = operations.state_at(run)
-    except DurabilityError:
-        head = {}
-    waiting = describe.waiting(run, head.get("values") if isinstance(head, dict) else None)
+    waiting = _waiting(run)
     thread = waiting.thread
     say(f"{BADGE}: thread {thread.thread_id if thread else '?'} of graph {run.agent}")
     if run.wait_detail.startswith(ANSWER):
@@ -40,8 +97,7 @@ def show(say: Callable[[str], None], run: Run) -> None:
         say(f"  {waiting.how_to_continue}")
     say("  resume, cancel, rollback, fork, approve, resolve and send are refused: they need a")
     say("  worker, and no worker executes this run (DUR120)")
-    seqs = Checkpoint.objects.filter(run=run).order_by("-seq").values_list("seq", flat=True)
-    steps = describe.supersteps(run.pk, list(seqs[:SUPERSTEPS_SHOWN]))
+    steps = _supersteps(run)
     say("supersteps:")
     for seq in sorted(steps):
         step = steps[seq]

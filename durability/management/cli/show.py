@@ -9,6 +9,8 @@ from typing import Any
 
 from durability import approvals as edits
 from durability import canonical, operations
+from durability.langgraph import cli as lg_cli
+from durability.langgraph.describe import is_graph_checkpoint
 from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run
 
 Say = Callable[[str], None]
@@ -53,6 +55,8 @@ def _as_json(run: Run, cps: list, approvals: list, effects: list) -> dict[str, A
         "calls": JournalEntry.objects.filter(run=run).count(),
         "parent": str(run.parent_run_id) if run.parent_run_id else None,
         "tree": operations.tree(run),
+        # A LangGraph graph executed in its own process: its thread and supersteps (else null).
+        "langgraph": lg_cli.as_json(run),
     }
 
 
@@ -131,8 +135,10 @@ def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
     for c in cps:
         up = c.parent
         parent = f" (parent #{up.seq})" if up is not None and up.seq != c.seq - 1 else ""
+        # A LangGraph checkpoint names no next step (its supersteps are listed below it).
+        after = c.next_step or ("-" if is_graph_checkpoint(c) else "end")
         say(
-            f"  #{c.seq:<4} {c.reason:<9} {c.step or '-':<14} -> {c.next_step or 'end':<14}"
+            f"  #{c.seq:<4} {c.reason:<9} {c.step or '-':<14} -> {after:<14}"
             f" {c.size:>9,} B  Δ {c.delta_size:>7,} B{parent}"
         )
 
