@@ -1,0 +1,211 @@
+"""LangGraph graphs executed by the workers: a registered graph is an ``Agent``.
+
+    from durability.langgraph import agent, journaled
+
+    @journaled("search")
+    def search(q: str) -> list[str]: ...          # paid once, however often it is replayed
+
+    support = agent("support", build_graph, version="3")   # build_graph() -> a StateGraph
+
+Operators start ``support`` like any agent (dashboard, CLI, API: ``operations.start`` by
+name); Celery workers execute it with the engine's claims, leases, fencing, sweeper and
+recovery, because to the engine it *is* an agent.
+
+How a graph maps onto the engine
+--------------------------------
+
+- **One LangGraph superstep is one step of the run.** The agent has a single step,
+  ``graph``, which returns ``graph`` until the graph has nothing left to run, then ``END``.
+  Each execution of the step runs exactly one superstep: the graph is compiled with a
+  checkpointer that holds one checkpoint in memory (LangGraph's ``InMemorySaver``) and
+  invoked with ``interrupt_before="*"``, which stops it before the superstep after the one
+  it ran (the first execution also stores the input, as LangGraph does).
+- **The run's state is the graph's checkpoint.** After the superstep, the step replaces the
+  run's state with the latest LangGraph checkpoint, in the same shape ``DurableSaver``
+  stores (``{"checkpoint", "values", "metadata"}``, values as JSON where they are JSON, the
+  rest through LangGraph's serializer, ``durability.langgraph.codec``). The worker then
+  commits it as it commits any step: a patch on the previous checkpoint (about one message
+  per superstep), hash-chained, in the one fenced statement that checks the lease token, so
+  a worker that lost its lease stores nothing. There is no second writer to fence: the
+  in-memory checkpointer writes nothing durable, and the run's status moves only through
+  the executor (``durability.lifecycle``).
+- **Recovery is the engine's.** A worker SIGKILLed mid-superstep never committed it; the
+  sweeper hands the run to another worker, which rebuilds the last committed checkpoint and
+  runs that superstep again, as LangGraph itself re-runs a superstep whose checkpoint was
+  not stored. Tasks of the interrupted superstep run again (nodes are at-least-once, as with
+  any LangGraph checkpointer), but a call made through ``journaled`` is identified by (run,
+  base checkpoint, key, occurrence), as ``ctx.call`` is, so a replayed superstep gets its
+  recorded result instead of paying for it again.
+- **Rollback and fork are LangGraph's time travel.** Every committed checkpoint of the run
+  is a LangGraph checkpoint with ``graph`` as its next step, so the engine's rollback and
+  fork (with their preview and the rules for effects done after the target) continue the
+  graph from any superstep.
+
+``journaled`` keys are prefixed with the node's name (``"model/search"``): calls of one
+node are sequential, so their occurrences replay in the same order even when parallel
+branches call the same tool.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import connection
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import StateGraph
+from langgraph.pregel import Pregel
+
+from durability.agents import END, Agent
+from durability.errors import AgentDefinitionError
+from durability.langgraph import codec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+STEP = "graph"
+# The current step's context, for ``journaled`` tools called from inside the graph's nodes
+# (LangGraph copies the context into the threads that run parallel tasks).
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("durability_graph_ctx")
+
+
+class StepSaver(InMemorySaver):
+    """LangGraph's in-memory checkpointer, holding the one checkpoint a superstep starts
+    from. Integer channel versions, as ``DurableSaver``'s: the run's checkpoints then patch
+    only what changed, and two runs of one graph store the same bytes."""
+
+    def get_next_version(self, current: Any, channel: None = None) -> int:  # type: ignore[override]
+        if current is None:
+            return 1
+        if isinstance(current, str):
+            return int(current.split(".")[0]) + 1
+        return int(current) + 1
+
+
+class GraphAgent(Agent):
+    """An agent whose one step runs one superstep of a LangGraph graph (see the module's
+    docstring). ``build()`` returns the graph: a ``StateGraph`` (compiled here) or a
+    compiled graph (its checkpointer is replaced)."""
+
+    def __init__(self, name: str, build: Callable[[], Any], **options: Any) -> None:
+        if not callable(build):
+            raise AgentDefinitionError(f"agent {name}: build must be a function making a graph")
+        self.build = build
+        self._graph: Any = None
+        self._lock = threading.Lock()
+        super().__init__(
+            name, steps={STEP: self._superstep}, initial_state=_initial_state, **options
+        )
+
+    def graph(self, checkpointer: Any) -> Any:
+        """The graph compiled with ``checkpointer`` (``build()`` is called once)."""
+        with self._lock:
+            if self._graph is None:
+                built = self.build()
+                if not isinstance(built, (StateGraph, Pregel)):
+                    raise AgentDefinitionError(
+                        f"agent {self.name}: build() returned {type(built).__name__},"
+                        " not a LangGraph StateGraph or compiled graph"
+                    )
+                self._graph = built
+        if isinstance(self._graph, StateGraph):
+            return self._graph.compile(checkpointer=checkpointer)
+        return self._graph.copy(update={"checkpointer": checkpointer})
+
+    def _superstep(self, state: dict, ctx: Any) -> str:
+        saver = StepSaver()
+        graph = self.graph(saver)
+        config: Any = {"configurable": {"thread_id": str(ctx.run_id), "checkpoint_ns": ""}}
+        if "checkpoint" in state:
+            config = seed(saver, config, state)
+            graph_input = None
+        else:
+            graph_input = state.get("input")
+        # Settled here, on the step's own thread: a journaled call made from a thread of
+        # LangGraph's then finds the proof (the previous commit answered) in hand.
+        ctx._settled()
+        token = _current.set(ctx)
+        try:
+            graph.invoke(graph_input, config, interrupt_before="*")
+        finally:
+            _current.reset(token)
+        latest = saver.get_tuple({"configurable": {"thread_id": str(ctx.run_id)}})
+        if latest is None:  # pragma: no cover - LangGraph stores the input first
+            raise AgentDefinitionError(f"agent {self.name}: the graph stored no checkpoint")
+        state.clear()
+        state.update(document(latest, saver.serde))
+        return STEP if graph.get_state(latest.config).next else END
+
+
+def _initial_state(input: Any) -> dict:
+    return {"input": input}
+
+
+def agent(
+    name: str, build: Callable[[], Any], *, version: str | int = "1", **options: Any
+) -> GraphAgent:
+    """Register the graph ``build()`` makes as the agent ``name``: operators start it like
+    any agent and the workers execute it, one superstep per checkpoint. ``options`` are
+    ``Agent``'s (``retry=``, ``durability=``, ``limits=``, ``step_timeout=``, ...)."""
+    return GraphAgent(name, build, version=version, **options)
+
+
+def document(found: Any, serde: Any) -> dict:
+    """A LangGraph checkpoint tuple as the run's state: the shape ``DurableSaver`` stores."""
+    fields = dict(found.checkpoint)
+    values = fields.pop("channel_values")
+    return {
+        "checkpoint": codec.Encoder(serde).encode(fields),
+        "values": codec.Encoder(serde).encode(values),
+        "metadata": codec.Encoder(serde).encode(dict(found.metadata)),
+    }
+
+
+def seed(saver: StepSaver, config: Any, state: dict) -> Any:
+    """Put the run's state (a checkpoint ``document``) into ``saver``; the config that
+    names it."""
+    checkpoint = codec.decode(state["checkpoint"], saver.serde)
+    checkpoint["channel_values"] = codec.decode(state["values"], saver.serde)
+    metadata = codec.decode(state["metadata"], saver.serde)
+    return saver.put(config, checkpoint, metadata, dict(checkpoint["channel_versions"]))
+
+
+def values(state: dict) -> Any:
+    """The graph's channel values in a run's state (None before its first superstep)."""
+    if "values" not in state:
+        return None
+    return codec.decode(state["values"], StepSaver().serde)
+
+
+def journaled(key: str) -> Callable[[F], F]:
+    """Make a tool a journaled call of the run executing the graph: its JSON result is
+    recorded as it returns and replayed, not paid again, when the superstep runs again.
+    Outside a registered graph's step (a graph run by hand), the tool simply runs."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ctx = _current.get(None)
+            if ctx is None:
+                return fn(*args, **kwargs)
+            try:
+                return ctx.call(f"{_node()}/{key}", fn, *args, **kwargs)
+            finally:
+                if threading.current_thread() is not threading.main_thread():
+                    # LangGraph's task threads end with the superstep: so does their session.
+                    connection.close()
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def _node() -> str:
+    from langgraph.config import get_config
+
+    try:
+        return str(get_config().get("metadata", {}).get("langgraph_node", "")) or "graph"
+    except RuntimeError:  # called outside a node
+        return "graph"

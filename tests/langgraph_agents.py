@@ -1,0 +1,95 @@
+"""LangGraph graphs registered as agents, for the tests of graphs executed by the workers
+(loaded by the workers through ``DURABILITY_AGENT_MODULES``).
+
+``lg-support`` is a ReAct-shaped loop whose tool calls are journaled: each turn the model
+asks for a search, and a parallel ``audit`` branch logs the turn, each through a tool wrapped
+with ``journaled``. Every time a tool is really executed it appends a line to the ledger
+file named by ``LG_TOOL_LEDGER`` (the run, the tool, its argument, the time): the count of
+what was paid, kept outside any process that may be killed."""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+from typing import Annotated, Any, TypedDict
+
+from langchain_core.messages import AIMessage, AnyMessage, ToolMessage
+from langgraph.config import get_config
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+
+from durability.langgraph import agent, journaled
+
+TURNS = 5
+PAUSE = float(os.environ.get("LG_NODE_PAUSE", "0.08"))
+
+
+class Support(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    turns: int
+    notes: Annotated[list[str], operator.add]
+
+
+def _pay(tool: str, arg: str) -> None:
+    ledger = os.environ.get("LG_TOOL_LEDGER")
+    if not ledger:
+        return
+    thread = get_config()["configurable"]["thread_id"]
+    with open(ledger, "a") as f:
+        f.write(f"{thread} {tool} {arg} {time.time():.6f}\n")
+
+
+@journaled("search")
+def search(q: str) -> str:
+    _pay("search", q)
+    time.sleep(PAUSE)
+    return f"result of {q}"
+
+
+@journaled("log")
+def log_turn(turn: str) -> str:
+    _pay("log", turn)
+    time.sleep(PAUSE / 2)
+    return f"logged {turn}"
+
+
+def support_graph(turns: int = TURNS) -> StateGraph:
+    def model(state: Support) -> dict:
+        time.sleep(PAUSE)
+        n, k = state.get("turns", 0), len(state["messages"])
+        if n >= turns:
+            return {"messages": [AIMessage("done", id=f"ai-{k}")]}
+        call = {"name": "search", "args": {"q": f"q{n}"}, "id": f"call-{n}"}
+        return {"messages": [AIMessage("", id=f"ai-{k}", tool_calls=[call])], "turns": n + 1}
+
+    def tools(state: Support) -> dict:
+        last = state["messages"][-1]
+        out = [
+            ToolMessage(search(c["args"]["q"]), tool_call_id=c["id"], id=f"tool-{c['id']}")
+            for c in last.tool_calls
+        ]
+        return {"messages": out}
+
+    def audit(state: Support) -> dict:
+        return {"notes": [log_turn(f"t{state['turns']}")]}
+
+    def route(state: Support) -> Any:
+        return ["tools", "audit"] if state["messages"][-1].tool_calls else END
+
+    g = StateGraph(Support)
+    g.add_node("model", model)
+    g.add_node("tools", tools)
+    g.add_node("audit", audit)
+    g.add_edge(START, "model")
+    g.add_conditional_edges("model", route, ["tools", "audit", END])
+    g.add_edge("tools", "model")
+    g.add_edge("audit", "model")
+    return g
+
+
+def first_input() -> dict:
+    return {"messages": [{"role": "user", "content": "where is my parcel?", "id": "h-0"}]}
+
+
+support = agent("lg-support", support_graph, version="1", description="a test graph")

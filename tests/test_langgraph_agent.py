@@ -1,0 +1,103 @@
+"""A LangGraph graph registered as an agent, executed by the engine in this process: one
+superstep per checkpoint, the same final state as LangGraph's InMemorySaver, journaled
+tools replayed instead of paid again, and bad definitions refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+from langgraph.checkpoint.memory import InMemorySaver
+
+from durability import operations, registry
+from durability.errors import AgentDefinitionError, UnknownAgent
+from durability.langgraph import agent, journaled
+from durability.langgraph.registered import values
+from durability.models import Checkpoint, JournalEntry, Run, RunStatus
+from durability.testing import drive, state_of
+from tests import langgraph_agents as graphs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    path = tmp_path / "ledger"
+    path.touch()
+    monkeypatch.setenv("LG_TOOL_LEDGER", str(path))
+    monkeypatch.setattr(graphs, "PAUSE", 0.0)
+    return path
+
+
+def reference(turns: int = graphs.TURNS) -> dict:
+    """The graph run uninterrupted by LangGraph alone."""
+    graph = graphs.support_graph(turns).compile(checkpointer=InMemorySaver())
+    return graph.invoke(graphs.first_input(), {"configurable": {"thread_id": "reference"}})
+
+
+def paid(ledger, run_id) -> list[tuple[str, str]]:
+    lines = [line.split() for line in ledger.read_text().splitlines()]
+    return sorted((tool, arg) for thread, tool, arg, _ts in lines if thread == str(run_id))
+
+
+@pytest.mark.smoke
+def test_a_registered_graph_runs_one_superstep_per_checkpoint(ledger):
+    run = operations.start("lg-support", graphs.first_input())
+    assert run.status == RunStatus.QUEUED
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    expected = reference()
+    assert values(state_of(run.id)) == expected
+    # The input and the first superstep, then one checkpoint per superstep: model, then
+    # tools beside audit, five times, and the last model turn.
+    assert done.head_seq == 1 + 1 + 2 * graphs.TURNS
+    steps = set(Checkpoint.objects.filter(run=run, seq__gt=0).values_list("next_step", flat=True))
+    assert steps == {"graph", ""}
+    assert operations.verify(run.id)[0].ok
+    # Each tool call paid once and journaled under its node's name.
+    keys = sorted(JournalEntry.objects.filter(run=run).values_list("key", flat=True))
+    assert keys == sorted(["tools/search"] * graphs.TURNS + ["audit/log"] * graphs.TURNS)
+    assert paid(ledger, run.id) == sorted(
+        [("search", f"q{i}") for i in range(graphs.TURNS)]
+        + [("log", f"t{i + 1}") for i in range(graphs.TURNS)]
+    )
+
+
+def test_a_superstep_run_again_replays_its_journaled_tools(ledger, faults):
+    # The process dies while committing the superstep that ran both tools (checkpoint #3):
+    # its tools' results were journaled; running the superstep again replays them.
+    faults.set({"point": "in_commit", "when": {"seq": 3}, "action": "crash"})
+    run = operations.start("lg-support", graphs.first_input())
+    done = drive(run.id)
+    assert faults.fired() == 1
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert values(state_of(run.id)) == reference()
+    assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
+
+
+def test_a_journaled_tool_outside_a_worker_just_runs():
+    calls = []
+
+    @journaled("ping")
+    def ping(x: int) -> int:
+        calls.append(x)
+        return x + 1
+
+    assert ping(1) == 2 and calls == [1]
+
+
+def test_bad_definitions_are_refused_with_a_clear_error():
+    with pytest.raises(AgentDefinitionError, match="build must be a function"):
+        agent("lg-bad", 42, register=False)  # type: ignore[arg-type]
+    with pytest.raises(UnknownAgent):
+        operations.start("lg-nobody", {})
+    assert not Run.objects.exists()
+
+
+def test_a_build_that_makes_no_graph_fails_the_run_naming_why():
+    agent("lg-not-a-graph", lambda: {"nodes": []})
+    try:
+        run = operations.start("lg-not-a-graph", {})
+        done = drive(run.id)
+        assert done.status == RunStatus.FAILED
+        assert "not a LangGraph StateGraph or compiled graph" in done.error
+    finally:
+        registry.unregister("lg-not-a-graph")
