@@ -18,6 +18,7 @@ from langchain_core.messages import AIMessage, AnyMessage, ToolMessage
 from langgraph.config import get_config
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
+from langgraph.types import interrupt
 
 from durability.langgraph import agent, journaled
 
@@ -93,3 +94,40 @@ def first_input() -> dict:
 
 
 support = agent("lg-support", support_graph, version="1", description="a test graph")
+
+
+class Refund(TypedDict):
+    amount: int
+    paid: int
+    answer: dict
+
+
+@journaled("pay")
+def pay(amount: int) -> int:
+    _pay("pay", str(amount))
+    return amount
+
+
+def refund_graph() -> StateGraph:
+    """``interrupt()`` before a risky tool: the answer says whether, and how much, to pay."""
+
+    def ask(state: Refund) -> dict:
+        answer = interrupt({"question": "refund?", "amount": state["amount"]})
+        return {"answer": answer}
+
+    def act(state: Refund) -> dict:
+        answer = state["answer"]
+        if not answer["approved"]:
+            return {"paid": 0}
+        return {"paid": pay(answer["value"]["amount"])}
+
+    g = StateGraph(Refund)
+    g.add_node("ask", ask)
+    g.add_node("act", act)
+    g.add_edge(START, "ask")
+    g.add_edge("ask", "act")
+    g.add_edge("act", END)
+    return g
+
+
+refund = agent("lg-refund", refund_graph)

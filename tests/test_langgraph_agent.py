@@ -11,7 +11,14 @@ from durability import operations, registry
 from durability.errors import AgentDefinitionError, UnknownAgent
 from durability.langgraph import agent, journaled
 from durability.langgraph.registered import values
-from durability.models import Checkpoint, JournalEntry, Run, RunStatus
+from durability.models import (
+    Approval,
+    ApprovalStatus,
+    Checkpoint,
+    JournalEntry,
+    Run,
+    RunStatus,
+)
 from durability.testing import drive, state_of
 from tests import langgraph_agents as graphs
 
@@ -101,3 +108,42 @@ def test_a_build_that_makes_no_graph_fails_the_run_naming_why():
         assert "not a LangGraph StateGraph or compiled graph" in done.error
     finally:
         registry.unregister("lg-not-a-graph")
+
+
+def refund_reference(answer: dict) -> dict:
+    from langgraph.types import Command
+
+    graph = graphs.refund_graph().compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "reference"}}
+    graph.invoke({"amount": 50, "paid": 0, "answer": {}}, cfg)
+    (waiting,) = graph.get_state(cfg).interrupts
+    return graph.invoke(Command(resume={waiting.id: answer}), cfg)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(
+    "approve, edited, paid_amount",
+    [(True, None, 50), (True, {"question": "refund?", "amount": 20}, 20), (False, None, 0)],
+    ids=["approve", "approve with edits", "reject"],
+)
+def test_an_interrupt_is_an_approval_whose_decision_resumes_the_graph(
+    ledger, approve, edited, paid_amount
+):
+    run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    asked = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert asked.name == "ask"
+    assert operations.canonical.loads(asked.payload) == {"question": "refund?", "amount": 50}
+    operations.decide(run.id, "ask", approve=approve, by="ops", comment="ok", payload=edited)
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    answer = {
+        "approved": approve,
+        "value": edited or {"question": "refund?", "amount": 50},
+        "comment": "ok",
+        "by": "ops",
+    }
+    assert values(state_of(run.id)) == refund_reference(answer)
+    assert values(state_of(run.id))["paid"] == paid_amount
+    assert paid(ledger, run.id) == ([("pay", str(paid_amount))] if approve else [])

@@ -36,6 +36,11 @@ How a graph maps onto the engine
   any LangGraph checkpointer), but a call made through ``journaled`` is identified by (run,
   base checkpoint, key, occurrence), as ``ctx.call`` is, so a replayed superstep gets its
   recorded result instead of paying for it again.
+- **``interrupt()`` is an approval.** A superstep that stops at ``interrupt()`` asks
+  ``ctx.approval`` (named after the node, with the interrupt's value), which suspends the
+  run without a worker; after the decision the superstep runs again, meets the same
+  interrupt, finds the decision and resumes the node with ``Command(resume=...)`` before
+  the step ends, so the committed checkpoint is the one after the resumed superstep.
 - **Rollback and fork are LangGraph's time travel.** Every committed checkpoint of the run
   is a LangGraph checkpoint with ``graph`` as its next step, so the engine's rollback and
   fork (with their preview and the rules for effects done after the target) continue the
@@ -58,6 +63,7 @@ from django.db import connection
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
+from langgraph.types import Command
 
 from durability.agents import END, Agent
 from durability.errors import AgentDefinitionError
@@ -117,9 +123,9 @@ class GraphAgent(Agent):
     def _superstep(self, state: dict, ctx: Any) -> str:
         saver = StepSaver()
         graph = self.graph(saver)
-        config: Any = {"configurable": {"thread_id": str(ctx.run_id), "checkpoint_ns": ""}}
+        thread: Any = {"configurable": {"thread_id": str(ctx.run_id), "checkpoint_ns": ""}}
         if "checkpoint" in state:
-            config = seed(saver, config, state)
+            seed(saver, thread, state)
             graph_input = None
         else:
             graph_input = state.get("input")
@@ -128,15 +134,37 @@ class GraphAgent(Agent):
         ctx._settled()
         token = _current.set(ctx)
         try:
-            graph.invoke(graph_input, config, interrupt_before="*")
+            graph.invoke(graph_input, thread, interrupt_before="*")
+            resume = decisions(graph.get_state(thread), ctx)
+            if resume:
+                graph.invoke(Command(resume=resume), thread, interrupt_before="*")
         finally:
             _current.reset(token)
-        latest = saver.get_tuple({"configurable": {"thread_id": str(ctx.run_id)}})
+        latest = saver.get_tuple(thread)
         if latest is None:  # pragma: no cover - LangGraph stores the input first
             raise AgentDefinitionError(f"agent {self.name}: the graph stored no checkpoint")
         state.clear()
         state.update(document(latest, saver.serde))
         return STEP if graph.get_state(latest.config).next else END
+
+
+def decisions(snapshot: Any, ctx: Any) -> dict[str, Any]:
+    """The answers to the ``interrupt()`` calls the superstep stopped at, by interrupt id:
+    each is an approval named after its node, asked with the interrupt's value (the run
+    waits, without a worker, until an operator decides; the superstep then runs again and
+    finds the decision). An answer is ``{"approved", "value", "comment", "by"}``, ``value``
+    being the interrupt's value as the operator approved it (edited or not)."""
+    answers = {}
+    for task in snapshot.tasks:
+        for waiting in task.interrupts:
+            decision = ctx.approval(task.name, waiting.value)
+            answers[waiting.id] = {
+                "approved": decision.approved,
+                "value": decision.payload,
+                "comment": decision.comment,
+                "by": decision.by,
+            }
+    return answers
 
 
 def _initial_state(input: Any) -> dict:
