@@ -20,7 +20,9 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import interrupt
 
-from durability.langgraph import agent, journaled
+from durability import operations, registry
+from durability.langgraph import agent, effect, journaled, wait_for
+from durability.models import Run
 
 TURNS = 5
 PAUSE = float(os.environ.get("LG_NODE_PAUSE", "0.08"))
@@ -32,11 +34,11 @@ class Support(TypedDict):
     notes: Annotated[list[str], operator.add]
 
 
-def _pay(tool: str, arg: str) -> None:
+def _pay(tool: str, arg: str, thread: str = "") -> None:
     ledger = os.environ.get("LG_TOOL_LEDGER")
     if not ledger:
         return
-    thread = get_config()["configurable"]["thread_id"]
+    thread = thread or get_config()["configurable"]["thread_id"]
     with open(ledger, "a") as f:
         f.write(f"{thread} {tool} {arg} {time.time():.6f}\n")
 
@@ -89,6 +91,12 @@ def support_graph(turns: int = TURNS) -> StateGraph:
     return g
 
 
+def values_of(run_id: Any) -> Any:
+    """The graph's state at a run's head, as LangGraph's ``get_state().values``."""
+    run = Run.objects.get(pk=run_id)
+    return registry.get(run.agent).values(operations.state_at(run))
+
+
 def first_input() -> dict:
     return {"messages": [{"role": "user", "content": "where is my parcel?", "id": "h-0"}]}
 
@@ -102,8 +110,15 @@ class Refund(TypedDict):
     answer: dict
 
 
-@journaled("pay")
-def pay(amount: int) -> int:
+def unpay(result: int, amount: int, *, idempotency_key: str) -> int:
+    """The refund's compensation (an operator may run it when rolling back past it). It runs
+    before the graph goes on, outside its nodes: the run is named by the effect's key."""
+    _pay("unpay", str(amount), thread=idempotency_key.split(":")[0])
+    return -amount
+
+
+@effect("pay", label="refund", compensate=unpay)
+def pay(amount: int, *, idempotency_key: str) -> int:
     _pay("pay", str(amount))
     return amount
 
@@ -131,3 +146,34 @@ def refund_graph() -> StateGraph:
 
 
 refund = agent("lg-refund", refund_graph)
+
+
+class Chat(TypedDict):
+    got: Annotated[list, operator.add]
+    ticks: Annotated[int, operator.add]
+
+
+def chat_graph() -> StateGraph:
+    """Waits for a user's next message in one branch while another runs beside it."""
+
+    def listen(state: Chat) -> dict:
+        return {"got": [wait_for("reply")]}
+
+    def tick(state: Chat) -> dict:
+        return {"ticks": 1}
+
+    def answer(state: Chat) -> dict:
+        return {"got": [f"answered {len(state['got'])}"]}
+
+    g = StateGraph(Chat)
+    g.add_node("listen", listen)
+    g.add_node("tick", tick)
+    g.add_node("answer", answer)
+    g.add_edge(START, "listen")
+    g.add_edge(START, "tick")
+    g.add_edge(["listen", "tick"], "answer")
+    g.add_edge("answer", END)
+    return g
+
+
+chat = agent("lg-chat", chat_graph)

@@ -10,7 +10,6 @@ from langgraph.checkpoint.memory import InMemorySaver
 from durability import operations, registry
 from durability.errors import AgentDefinitionError, UnknownAgent
 from durability.langgraph import agent, journaled
-from durability.langgraph.registered import values
 from durability.models import (
     Approval,
     ApprovalStatus,
@@ -19,7 +18,7 @@ from durability.models import (
     Run,
     RunStatus,
 )
-from durability.testing import drive, state_of
+from durability.testing import drive
 from tests import langgraph_agents as graphs
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -52,7 +51,7 @@ def test_a_registered_graph_runs_one_superstep_per_checkpoint(ledger):
     done = drive(run.id)
     assert done.status == RunStatus.SUCCEEDED, done.error
     expected = reference()
-    assert values(state_of(run.id)) == expected
+    assert graphs.values_of(run.id) == expected
     # The input and the first superstep, then one checkpoint per superstep: model, then
     # tools beside audit, five times, and the last model turn.
     assert done.head_seq == 1 + 1 + 2 * graphs.TURNS
@@ -76,7 +75,7 @@ def test_a_superstep_run_again_replays_its_journaled_tools(ledger, faults):
     done = drive(run.id)
     assert faults.fired() == 1
     assert done.status == RunStatus.SUCCEEDED, done.error
-    assert values(state_of(run.id)) == reference()
+    assert graphs.values_of(run.id) == reference()
     assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
 
 
@@ -144,6 +143,108 @@ def test_an_interrupt_is_an_approval_whose_decision_resumes_the_graph(
         "comment": "ok",
         "by": "ops",
     }
-    assert values(state_of(run.id)) == refund_reference(answer)
-    assert values(state_of(run.id))["paid"] == paid_amount
+    assert graphs.values_of(run.id) == refund_reference(answer)
+    assert graphs.values_of(run.id)["paid"] == paid_amount
     assert paid(ledger, run.id) == ([("pay", str(paid_amount))] if approve else [])
+
+
+def test_a_message_reaches_a_graph_waiting_for_it():
+    run = operations.start("lg-chat", {"got": [], "ticks": 0})
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "message"
+    operations.send(run.id, "reply", {"text": "hi"}, by="user")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == {"got": [{"text": "hi"}, "answered 1"], "ticks": 1}
+
+
+def test_a_message_sent_before_the_graph_waits_is_kept_for_it():
+    run = operations.start("lg-chat", {"got": [], "ticks": 0})
+    operations.send(run.id, "reply", "early", by="user")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id)["got"] == ["early", "answered 1"]
+
+
+def test_outside_a_worker_wait_for_is_an_interrupt_resumed_with_the_message():
+    from langgraph.types import Command
+
+    graph = graphs.chat_graph().compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "by-hand"}}
+    graph.invoke({"got": [], "ticks": 0}, cfg)
+    (waiting,) = graph.get_state(cfg).interrupts
+    assert waiting.value == {"wait_for": "reply"}
+    assert graph.invoke(Command(resume="hi"), cfg)["got"] == ["hi", "answered 1"]
+
+
+def test_a_graph_refuses_the_periodic_level():
+    with pytest.raises(AgentDefinitionError, match="periodic"):
+        agent("lg-periodic", graphs.chat_graph, durability="periodic", register=False)
+
+
+def refunded(approve: bool = True):
+    run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
+    drive(run.id)
+    operations.decide(run.id, "ask", approve=approve, by="ops")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    return done
+
+
+def test_rollback_to_a_superstep_previews_the_effect_and_asks_before_paying_again(ledger):
+    run = refunded()
+    # #1 the input, #2 the resumed ask, #3 act (the refund paid): back to #2.
+    assert run.head_seq == 3
+    plan = operations.plan_rollback(run.id, 2)
+    assert [e.key for e in plan.done_not_undone] == ["act/pay"]
+    operations.rollback(run.id, 2, by="ops", reason="pay again?", and_continue=True)
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    asked = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert asked.name.endswith("act/pay")
+    assert paid(ledger, run.id) == [("pay", "50")]
+    operations.decide(run.id, asked.name, approve=False, by="ops", comment="no")
+    failed = drive(run.id)
+    assert failed.status == RunStatus.FAILED and "not performed again" in failed.error
+    assert paid(ledger, run.id) == [("pay", "50")]
+
+
+@pytest.mark.smoke
+def test_rollback_and_continue_reusing_the_outcome_resumes_the_graph_without_paying(ledger):
+    run = refunded()
+    plan = operations.plan_rollback(run.id, 2)
+    (done,) = plan.done_not_undone
+    operations.rollback(
+        run.id, 2, by="ops", reason="again", and_continue=True, decisions={done.id: "reuse"}
+    )
+    again = drive(run.id)
+    assert again.status == RunStatus.SUCCEEDED, again.error
+    assert again.head_seq == 5  # the rollback's new head, then act once more
+    assert graphs.values_of(run.id)["paid"] == 50
+    assert paid(ledger, run.id) == [("pay", "50")]
+
+
+def test_a_fork_from_a_superstep_continues_the_graph_in_a_new_run(ledger):
+    run = operations.start("lg-support", graphs.first_input())
+    drive(run.id)
+    fork = operations.fork(run.id, 4, by="ops", reason="try again from turn 2")
+    done = drive(fork.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(fork.id) == reference()
+    # The fork's calls are its own: #3 ran the first turn's tools, the other four turns'
+    # ran again in the fork (a run, and a thread, of its own).
+    assert paid(ledger, fork.id) == sorted(
+        [("search", f"q{i}") for i in range(1, graphs.TURNS)]
+        + [("log", f"t{i + 1}") for i in range(1, graphs.TURNS)]
+    )
+
+
+def test_rollback_compensating_the_effect_runs_its_compensation_then_pays_again(ledger):
+    run = refunded()
+    (done,) = operations.plan_rollback(run.id, 2).done_not_undone
+    operations.rollback(
+        run.id, 2, by="ops", reason="undo", and_continue=True, decisions={done.id: "compensate"}
+    )
+    again = drive(run.id)
+    assert again.status == RunStatus.SUCCEEDED, again.error
+    assert paid(ledger, run.id) == [("pay", "50"), ("pay", "50"), ("unpay", "50")]

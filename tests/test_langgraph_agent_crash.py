@@ -17,9 +17,8 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 
 from durability import operations
-from durability.langgraph.registered import values
 from durability.models import Event, EventKind, JournalEntry, Run, RunStatus
-from durability.testing import state_of, wait_until
+from durability.testing import wait_until
 from tests import langgraph_agents as graphs
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -100,7 +99,7 @@ def test_workers_sigkilled_mid_graph_30_times_finish_every_run_paying_nothing_tw
     expected = reference()
     for run in runs:
         assert run.status == RunStatus.SUCCEEDED, (run.id, run.error)
-        assert values(state_of(run.id)) == expected, run.id
+        assert graphs.values_of(run.id) == expected, run.id
         assert operations.verify(run.id)[0].ok
     recovered = Event.objects.filter(run_id__in=started, kind=EventKind.RECOVERED).count()
     assert recovered >= KILLS // 2, recovered
@@ -148,4 +147,4 @@ def test_started_from_the_cli_and_the_api_the_workers_run_it(running, live_serve
             lambda run=run: Run.objects.get(pk=run.id).is_finished or None, timeout=60
         )
         assert finished and Run.objects.get(pk=run.id).status == RunStatus.SUCCEEDED
-        assert values(state_of(run.id)) == expected
+        assert graphs.values_of(run.id) == expected

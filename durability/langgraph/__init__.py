@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DurableSaver", "GraphAgent", "agent", "journaled"]
+__all__ = ["DurableSaver", "GraphAgent", "agent", "effect", "journaled", "wait_for"]
 
 # Where each public name lives (imported on first use: they need the extra).
 _HOMES = {
@@ -28,6 +28,8 @@ _HOMES = {
     "GraphAgent": "durability.langgraph.registered",
     "agent": "durability.langgraph.registered",
     "journaled": "durability.langgraph.registered",
+    "effect": "durability.langgraph.registered",
+    "wait_for": "durability.langgraph.registered",
 }
 
 INSTALL_HINT = (

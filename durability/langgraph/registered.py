@@ -46,6 +46,10 @@ How a graph maps onto the engine
   fork (with their preview and the rules for effects done after the target) continue the
   graph from any superstep.
 
+``effect`` is ``ctx.effect`` and ``wait_for`` is ``ctx.wait_for`` in the same way. Both, and
+``journaled``, are called from LangGraph's task threads: each closes its thread's database
+session when it returns, since those threads end with the superstep.
+
 ``journaled`` keys are prefixed with the node's name (``"model/search"``): calls of one
 node are sequential, so their occurrences replay in the same order even when parallel
 branches call the same tool.
@@ -56,6 +60,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,7 +68,7 @@ from django.db import connection
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
-from langgraph.types import Command
+from langgraph.types import Command, interrupt
 
 from durability.agents import END, Agent
 from durability.errors import AgentDefinitionError
@@ -98,12 +103,26 @@ class GraphAgent(Agent):
     def __init__(self, name: str, build: Callable[[], Any], **options: Any) -> None:
         if not callable(build):
             raise AgentDefinitionError(f"agent {name}: build must be a function making a graph")
+        level = options.get("durability", "strict")
+        if getattr(level, "level", level) == "periodic":
+            # The periodic level commits held steps from inside an effect or a wait, which
+            # a graph's node may call from one of LangGraph's threads; and a superstep is
+            # the graph's own unit of work: strict, relaxed or replicated.
+            raise AgentDefinitionError(
+                f"agent {name}: a graph checkpoints every superstep; durability 'periodic'"
+                " is for native agents"
+            )
         self.build = build
         self._graph: Any = None
         self._lock = threading.Lock()
-        super().__init__(
-            name, steps={STEP: self._superstep}, initial_state=_initial_state, **options
-        )
+
+        def superstep(state: dict, ctx: Any) -> str:
+            return self._superstep(state, ctx)
+
+        # The step is the graph's: an approval's check and an effect's compensation are
+        # looked up in the modules that define an agent's steps, here the graph's module.
+        superstep.__module__ = getattr(build, "__module__", None) or __name__
+        super().__init__(name, steps={STEP: superstep}, initial_state=_initial_state, **options)
 
     def graph(self, checkpointer: Any) -> Any:
         """The graph compiled with ``checkpointer`` (``build()`` is called once)."""
@@ -119,6 +138,16 @@ class GraphAgent(Agent):
         if isinstance(self._graph, StateGraph):
             return self._graph.compile(checkpointer=checkpointer)
         return self._graph.copy(update={"checkpointer": checkpointer})
+
+    def values(self, state: dict) -> Any:
+        """The graph's state in a run's state (``operations.state_at``), as LangGraph's
+        ``get_state().values`` gives it; None before the graph's first superstep."""
+        if "checkpoint" not in state:
+            return None
+        saver = StepSaver()
+        thread: Any = {"configurable": {"thread_id": "values", "checkpoint_ns": ""}}
+        seed(saver, thread, state)
+        return self.graph(saver).get_state(thread).values
 
     def _superstep(self, state: dict, ctx: Any) -> str:
         saver = StepSaver()
@@ -200,13 +229,6 @@ def seed(saver: StepSaver, config: Any, state: dict) -> Any:
     return saver.put(config, checkpoint, metadata, dict(checkpoint["channel_versions"]))
 
 
-def values(state: dict) -> Any:
-    """The graph's channel values in a run's state (None before its first superstep)."""
-    if "values" not in state:
-        return None
-    return codec.decode(state["values"], StepSaver().serde)
-
-
 def journaled(key: str) -> Callable[[F], F]:
     """Make a tool a journaled call of the run executing the graph: its JSON result is
     recorded as it returns and replayed, not paid again, when the superstep runs again.
@@ -218,16 +240,54 @@ def journaled(key: str) -> Callable[[F], F]:
             ctx = _current.get(None)
             if ctx is None:
                 return fn(*args, **kwargs)
-            try:
-                return ctx.call(f"{_node()}/{key}", fn, *args, **kwargs)
-            finally:
-                if threading.current_thread() is not threading.main_thread():
-                    # LangGraph's task threads end with the superstep: so does their session.
-                    connection.close()
+            return _in_node(lambda: ctx.call(f"{_node()}/{key}", fn, *args, **kwargs))
 
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+def effect(key: str, **options: Any) -> Callable[[F], F]:
+    """Make a tool a side effect of the run executing the graph (``ctx.effect``): called as
+    ``fn(*args, idempotency_key=..., **kwargs)``, performed at most once per identity, shown
+    in a rollback's preview and asked again, not repeated, on a branch that reaches it after
+    a rollback. ``options`` are ``ctx.effect``'s (``idempotent=``, ``reconcile=``,
+    ``compensate=``, ``label=``). Outside a registered graph's step the tool simply runs,
+    with a key of its own."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ctx = _current.get(None)
+            if ctx is None:
+                return fn(*args, idempotency_key=uuid.uuid4().hex, **kwargs)
+            name = f"{_node()}/{key}"
+            return _in_node(lambda: ctx.effect(name, fn, *args, **options, **kwargs))
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def wait_for(name: str) -> Any:
+    """Inside a node: the next message named ``name`` sent to the run
+    (``operations.send``, the API, the CLI), the run waiting without a worker until one
+    arrives; the superstep then runs again and this returns the message. Outside a
+    registered graph's step it is LangGraph's ``interrupt({"wait_for": name})``: resume it
+    with the message."""
+    ctx = _current.get(None)
+    if ctx is None:
+        return interrupt({"wait_for": name})
+    return _in_node(lambda: ctx.wait_for(name))
+
+
+def _in_node(operation: Callable[[], Any]) -> Any:
+    try:
+        return operation()
+    finally:
+        if threading.current_thread() is not threading.main_thread():
+            # LangGraph's task threads end with the superstep: so does their session.
+            connection.close()
 
 
 def _node() -> str:
