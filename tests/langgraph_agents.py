@@ -177,3 +177,26 @@ def chat_graph() -> StateGraph:
 
 
 chat = agent("lg-chat", chat_graph)
+
+
+class Questions(TypedDict):
+    first: Any
+    second: Any
+
+
+def questions_graph() -> StateGraph:
+    """One node asking two questions in a row."""
+
+    def ask(state: Questions) -> dict:
+        first = interrupt({"question": "first?"})
+        second = interrupt({"question": "second?"})
+        return {"first": first["approved"], "second": second["approved"]}
+
+    g = StateGraph(Questions)
+    g.add_node("ask", ask)
+    g.add_edge(START, "ask")
+    g.add_edge("ask", END)
+    return g
+
+
+questions = agent("lg-questions", questions_graph)

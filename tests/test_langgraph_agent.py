@@ -248,3 +248,18 @@ def test_rollback_compensating_the_effect_runs_its_compensation_then_pays_again(
     again = drive(run.id)
     assert again.status == RunStatus.SUCCEEDED, again.error
     assert paid(ledger, run.id) == [("pay", "50"), ("pay", "50"), ("unpay", "50")]
+
+
+def test_a_node_asking_twice_asks_one_approval_after_the_other():
+    run = operations.start("lg-questions", {"first": None, "second": None})
+    drive(run.id)
+    operations.decide(run.id, "ask", approve=True, by="ops")
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    second = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert operations.canonical.loads(second.payload) == {"question": "second?"}
+    operations.decide(run.id, "ask", approve=False, by="ops")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == {"first": True, "second": False}
+    assert Approval.objects.filter(run=run).count() == 2

@@ -164,8 +164,8 @@ class GraphAgent(Agent):
         token = _current.set(ctx)
         try:
             graph.invoke(graph_input, thread, interrupt_before="*")
-            resume = decisions(graph.get_state(thread), ctx)
-            if resume:
+            # A node may call interrupt() more than once: each resume may stop at the next.
+            while resume := decisions(graph.get_state(thread), ctx):
                 graph.invoke(Command(resume=resume), thread, interrupt_before="*")
         finally:
             _current.reset(token)
