@@ -23,6 +23,7 @@ from langgraph.types import interrupt
 from durability import operations, registry
 from durability.langgraph import agent, effect, journaled, wait_for
 from durability.models import Run
+from tests import langgraph_graphs
 
 TURNS = 5
 PAUSE = float(os.environ.get("LG_NODE_PAUSE", "0.08"))
@@ -200,3 +201,7 @@ def questions_graph() -> StateGraph:
 
 
 questions = agent("lg-questions", questions_graph)
+
+
+# A parent graph whose node is a subgraph that interrupts (tests.langgraph_graphs).
+nested = agent("lg-nested", langgraph_graphs.with_subgraph)

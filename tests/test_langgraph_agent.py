@@ -263,3 +263,47 @@ def test_a_node_asking_twice_asks_one_approval_after_the_other():
     assert done.status == RunStatus.SUCCEEDED, done.error
     assert graphs.values_of(run.id) == {"first": True, "second": False}
     assert Approval.objects.filter(run=run).count() == 2
+
+
+def test_an_interrupt_inside_a_subgraph_is_an_approval_too():
+    from langgraph.types import Command
+
+    from tests import langgraph_graphs
+
+    run = operations.start("lg-nested", {"log": [], "answer": ""})
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    operations.decide(run.id, "sub", approve=True, by="ops", comment="the red one")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    graph = langgraph_graphs.with_subgraph().compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "reference"}}
+    graph.invoke({"log": [], "answer": ""}, cfg)
+    (asked,) = graph.get_state(cfg).interrupts
+    answer = {"approved": True, "value": "which?", "comment": "the red one", "by": "ops"}
+    assert graphs.values_of(run.id) == graph.invoke(Command(resume={asked.id: answer}), cfg)
+
+
+def test_an_interrupt_whose_value_is_not_json_fails_the_run_naming_it():
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import interrupt
+
+    def build() -> StateGraph:
+        def ask(state: dict) -> dict:
+            return {"answer": interrupt({"choices": {1, 2}})}
+
+        g = StateGraph(dict)
+        g.add_node("ask", ask)
+        g.add_edge(START, "ask")
+        g.add_edge("ask", END)
+        return g
+
+    agent("lg-not-json", build)
+    try:
+        run = operations.start("lg-not-json", {"answer": None})
+        done = drive(run.id)
+        assert done.status == RunStatus.FAILED
+        assert "payload of approval 'ask'" in done.error, done.error
+        assert not Approval.objects.filter(run=run).exists()
+    finally:
+        registry.unregister("lg-not-json")
