@@ -4,10 +4,13 @@ tools replayed instead of paid again, and bad definitions refused with a clear e
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from django.db import connection
 from langgraph.checkpoint.memory import InMemorySaver
 
-from durability import operations, registry
+from durability import inflight, operations, registry
 from durability.errors import AgentDefinitionError, UnknownAgent
 from durability.langgraph import agent, journaled
 from durability.models import (
@@ -307,3 +310,35 @@ def test_an_interrupt_whose_value_is_not_json_fails_the_run_naming_it():
         assert not Approval.objects.filter(run=run).exists()
     finally:
         registry.unregister("lg-not-json")
+
+
+def test_a_graph_executed_off_the_main_thread_runs_the_same(ledger):
+    # As in a worker of Celery's threads pool: the step's thread is not the main thread, and
+    # journaled calls run on it as well as on LangGraph's task threads.
+    run = operations.start("lg-support", graphs.first_input())
+    outcome = {}
+
+    def execute() -> None:
+        try:
+            outcome["run"] = drive(run.id)
+        finally:
+            # The thread's sessions: Django's and the one its commits were sent ahead on.
+            inflight.channel().close()
+            connection.close()
+
+    thread = threading.Thread(target=execute)
+    thread.start()
+    thread.join(60)
+    assert outcome["run"].status == RunStatus.SUCCEEDED, outcome["run"].error
+    assert graphs.values_of(run.id) == reference()
+    assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
+
+
+def test_a_compiled_graph_is_registered_too():
+    agent("lg-compiled", lambda: graphs.support_graph(1).compile())
+    try:
+        run = operations.start("lg-compiled", graphs.first_input())
+        assert drive(run.id).status == RunStatus.SUCCEEDED
+        assert graphs.values_of(run.id) == reference(turns=1)
+    finally:
+        registry.unregister("lg-compiled")

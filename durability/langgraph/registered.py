@@ -80,6 +80,12 @@ STEP = "graph"
 # The current step's context, for ``journaled`` tools called from inside the graph's nodes
 # (LangGraph copies the context into the threads that run parallel tasks).
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("durability_graph_ctx")
+# The thread executing the step: its database session is the execution's own and lives on
+# with it (a worker of Celery's threads pool is not the main thread), so it is not closed
+# after a call; other threads are LangGraph's task threads, which end with the superstep.
+_step_thread: contextvars.ContextVar[threading.Thread | None] = contextvars.ContextVar(
+    "durability_graph_thread", default=None
+)
 
 
 class StepSaver(InMemorySaver):
@@ -162,6 +168,7 @@ class GraphAgent(Agent):
         # LangGraph's then finds the proof (the previous commit answered) in hand.
         ctx._settled()
         token = _current.set(ctx)
+        thread_token = _step_thread.set(threading.current_thread())
         try:
             graph.invoke(graph_input, thread, interrupt_before="*")
             # A node may call interrupt() more than once: each resume may stop at the next.
@@ -169,6 +176,7 @@ class GraphAgent(Agent):
                 graph.invoke(Command(resume=resume), thread, interrupt_before="*")
         finally:
             _current.reset(token)
+            _step_thread.reset(thread_token)
         latest = saver.get_tuple(thread)
         if latest is None:  # pragma: no cover - LangGraph stores the input first
             raise AgentDefinitionError(f"agent {self.name}: the graph stored no checkpoint")
@@ -285,7 +293,7 @@ def _in_node(operation: Callable[[], Any]) -> Any:
     try:
         return operation()
     finally:
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not _step_thread.get():
             # LangGraph's task threads end with the superstep: so does their session.
             connection.close()
 
