@@ -11,7 +11,7 @@ from django.db import connection
 from langgraph.checkpoint.memory import InMemorySaver
 
 from durability import inflight, operations, registry
-from durability.errors import AgentDefinitionError, UnknownAgent
+from durability.errors import AgentDefinitionError, InvalidInput, SchemaViolation, UnknownAgent
 from durability.langgraph import agent, journaled
 from durability.models import (
     Approval,
@@ -93,11 +93,15 @@ def test_a_journaled_tool_outside_a_worker_just_runs():
     assert ping(1) == 2 and calls == [1]
 
 
-def test_bad_definitions_are_refused_with_a_clear_error():
+def test_bad_definitions_and_inputs_are_refused_with_a_clear_error_writing_nothing():
     with pytest.raises(AgentDefinitionError, match="build must be a function"):
         agent("lg-bad", 42, register=False)  # type: ignore[arg-type]
     with pytest.raises(UnknownAgent):
         operations.start("lg-nobody", {})
+    with pytest.raises(SchemaViolation, match="a graph needs an input"):
+        operations.start("lg-support", None)
+    with pytest.raises(InvalidInput):
+        operations.start("lg-support", {"messages": {1, 2}})
     assert not Run.objects.exists()
 
 

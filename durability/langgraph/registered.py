@@ -178,7 +178,7 @@ class GraphAgent(Agent):
             _current.reset(token)
             _step_thread.reset(thread_token)
         latest = saver.get_tuple(thread)
-        if latest is None:  # pragma: no cover - LangGraph stores the input first
+        if latest is None:  # pragma: no cover - the input (never None) is always stored
             raise AgentDefinitionError(f"agent {self.name}: the graph stored no checkpoint")
         state.clear()
         state.update(document(latest, saver.serde))
@@ -205,6 +205,10 @@ def decisions(snapshot: Any, ctx: Any) -> dict[str, Any]:
 
 
 def _initial_state(input: Any) -> dict:
+    if input is None:
+        # LangGraph takes an input of None for "go on from the last checkpoint": a new
+        # thread has none, so the graph would do nothing at all.
+        raise ValueError("a graph needs an input (its first values), not null")
     return {"input": input}
 
 
