@@ -70,6 +70,7 @@ def test_a_registered_graph_runs_one_superstep_per_checkpoint(ledger):
     )
 
 
+@pytest.mark.smoke
 def test_a_superstep_run_again_replays_its_journaled_tools(ledger, faults):
     # The process dies while committing the superstep that ran both tools (checkpoint #3):
     # its tools' results were journaled; running the superstep again replays them.
