@@ -4,6 +4,12 @@
 
     graph = builder.compile(checkpointer=DurableSaver())
 
+and graphs the workers execute, registered as agents (``durability.langgraph.registered``)::
+
+    from durability.langgraph import agent, journaled
+
+    agent("support", build_graph, version="3")
+
 Needs the ``langgraph`` extra (``pip install 'durability[langgraph]'``). The tables it
 uses are this package's Django app (``durability.langgraph``, in INSTALLED_APPS), which
 imports no LangGraph code, so the product starts without the extra installed.
@@ -11,9 +17,20 @@ imports no LangGraph code, so the product starts without the extra installed.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["DurableSaver"]
+__all__ = ["DurableSaver", "GraphAgent", "agent", "effect", "journaled", "wait_for"]
+
+# Where each public name lives (imported on first use: they need the extra).
+_HOMES = {
+    "DurableSaver": "durability.langgraph.saver",
+    "GraphAgent": "durability.langgraph.registered",
+    "agent": "durability.langgraph.registered",
+    "journaled": "durability.langgraph.registered",
+    "effect": "durability.langgraph.registered",
+    "wait_for": "durability.langgraph.registered",
+}
 
 INSTALL_HINT = (
     "durability.langgraph needs LangGraph: install the extra with"
@@ -22,12 +39,13 @@ INSTALL_HINT = (
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DurableSaver":
+    home = _HOMES.get(name)
+    if home is not None:
         try:
-            from durability.langgraph.saver import DurableSaver
+            module = importlib.import_module(home)
         except ImportError as exc:
             if exc.name and exc.name.split(".")[0] in ("langgraph", "langchain_core"):
                 raise ImportError(INSTALL_HINT, name=exc.name) from exc
             raise
-        return DurableSaver
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,311 @@
+"""LangGraph graphs executed by the workers: a registered graph is an ``Agent``.
+
+    from durability.langgraph import agent, journaled
+
+    @journaled("search")
+    def search(q: str) -> list[str]: ...          # paid once, however often it is replayed
+
+    support = agent("support", build_graph, version="3")   # build_graph() -> a StateGraph
+
+Operators start ``support`` like any agent (dashboard, CLI, API: ``operations.start`` by
+name); Celery workers execute it with the engine's claims, leases, fencing, sweeper and
+recovery, because to the engine it *is* an agent.
+
+How a graph maps onto the engine
+--------------------------------
+
+- **One LangGraph superstep is one step of the run.** The agent has a single step,
+  ``graph``, which returns ``graph`` until the graph has nothing left to run, then ``END``.
+  Each execution of the step runs exactly one superstep: the graph is compiled with a
+  checkpointer that holds one checkpoint in memory (LangGraph's ``InMemorySaver``) and
+  invoked with ``interrupt_before="*"``, which stops it before the superstep after the one
+  it ran (the first execution also stores the input, as LangGraph does).
+- **The run's state is the graph's checkpoint.** After the superstep, the step replaces the
+  run's state with the latest LangGraph checkpoint, in the same shape ``DurableSaver``
+  stores (``{"checkpoint", "values", "metadata"}``, values as JSON where they are JSON, the
+  rest through LangGraph's serializer, ``durability.langgraph.codec``). The worker then
+  commits it as it commits any step: a patch on the previous checkpoint (about one message
+  per superstep), hash-chained, in the one fenced statement that checks the lease token, so
+  a worker that lost its lease stores nothing. There is no second writer to fence: the
+  in-memory checkpointer writes nothing durable, and the run's status moves only through
+  the executor (``durability.lifecycle``).
+- **Recovery is the engine's.** A worker SIGKILLed mid-superstep never committed it; the
+  sweeper hands the run to another worker, which rebuilds the last committed checkpoint and
+  runs that superstep again, as LangGraph itself re-runs a superstep whose checkpoint was
+  not stored. Tasks of the interrupted superstep run again (nodes are at-least-once, as with
+  any LangGraph checkpointer), but a call made through ``journaled`` is identified by (run,
+  base checkpoint, key, occurrence), as ``ctx.call`` is, so a replayed superstep gets its
+  recorded result instead of paying for it again.
+- **``interrupt()`` is an approval.** A superstep that stops at ``interrupt()`` asks
+  ``ctx.approval`` (named after the node, with the interrupt's value), which suspends the
+  run without a worker; after the decision the superstep runs again, meets the same
+  interrupt, finds the decision and resumes the node with ``Command(resume=...)`` before
+  the step ends, so the committed checkpoint is the one after the resumed superstep.
+- **Rollback and fork are LangGraph's time travel.** Every committed checkpoint of the run
+  is a LangGraph checkpoint with ``graph`` as its next step, so the engine's rollback and
+  fork (with their preview and the rules for effects done after the target) continue the
+  graph from any superstep.
+
+``effect`` is ``ctx.effect`` and ``wait_for`` is ``ctx.wait_for`` in the same way. Both, and
+``journaled``, are called from LangGraph's task threads: each closes its thread's database
+session when it returns, since those threads end with the superstep.
+
+``journaled`` keys are prefixed with the node's name (``"model/search"``): calls of one
+node are sequential, so their occurrences replay in the same order even when parallel
+branches call the same tool.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import connection
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import StateGraph
+from langgraph.pregel import Pregel
+from langgraph.types import Command, interrupt
+
+from durability.agents import END, Agent
+from durability.errors import AgentDefinitionError
+from durability.langgraph import codec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+STEP = "graph"
+# The current step's context, for ``journaled`` tools called from inside the graph's nodes
+# (LangGraph copies the context into the threads that run parallel tasks).
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("durability_graph_ctx")
+# The thread executing the step: its database session is the execution's own and lives on
+# with it (a worker of Celery's threads pool is not the main thread), so it is not closed
+# after a call; other threads are LangGraph's task threads, which end with the superstep.
+_step_thread: contextvars.ContextVar[threading.Thread | None] = contextvars.ContextVar(
+    "durability_graph_thread", default=None
+)
+
+
+class StepSaver(InMemorySaver):
+    """LangGraph's in-memory checkpointer, holding the one checkpoint a superstep starts
+    from. Integer channel versions, as ``DurableSaver``'s: the run's checkpoints then patch
+    only what changed, and two runs of one graph store the same bytes."""
+
+    def get_next_version(self, current: Any, channel: None = None) -> int:  # type: ignore[override]
+        if current is None:
+            return 1
+        if isinstance(current, str):
+            return int(current.split(".")[0]) + 1
+        return int(current) + 1
+
+
+class GraphAgent(Agent):
+    """An agent whose one step runs one superstep of a LangGraph graph (see the module's
+    docstring). ``build()`` returns the graph: a ``StateGraph`` (compiled here) or a
+    compiled graph (its checkpointer is replaced)."""
+
+    def __init__(self, name: str, build: Callable[[], Any], **options: Any) -> None:
+        if not callable(build):
+            raise AgentDefinitionError(f"agent {name}: build must be a function making a graph")
+        level = options.get("durability", "strict")
+        if getattr(level, "level", level) == "periodic":
+            # The periodic level commits held steps from inside an effect or a wait, which
+            # a graph's node may call from one of LangGraph's threads; and a superstep is
+            # the graph's own unit of work: strict, relaxed or replicated.
+            raise AgentDefinitionError(
+                f"agent {name}: a graph checkpoints every superstep; durability 'periodic'"
+                " is for native agents"
+            )
+        self.build = build
+        self._graph: Any = None
+        self._lock = threading.Lock()
+
+        def superstep(state: dict, ctx: Any) -> str:
+            return self._superstep(state, ctx)
+
+        # The step is the graph's: an approval's check and an effect's compensation are
+        # looked up in the modules that define an agent's steps, here the graph's module.
+        superstep.__module__ = getattr(build, "__module__", None) or __name__
+        super().__init__(name, steps={STEP: superstep}, initial_state=_initial_state, **options)
+
+    def graph(self, checkpointer: Any) -> Any:
+        """The graph compiled with ``checkpointer`` (``build()`` is called once)."""
+        with self._lock:
+            if self._graph is None:
+                built = self.build()
+                if not isinstance(built, (StateGraph, Pregel)):
+                    raise AgentDefinitionError(
+                        f"agent {self.name}: build() returned {type(built).__name__},"
+                        " not a LangGraph StateGraph or compiled graph"
+                    )
+                self._graph = built
+        if isinstance(self._graph, StateGraph):
+            return self._graph.compile(checkpointer=checkpointer)
+        return self._graph.copy(update={"checkpointer": checkpointer})
+
+    def values(self, state: dict) -> Any:
+        """The graph's state in a run's state (``operations.state_at``), as LangGraph's
+        ``get_state().values`` gives it; None before the graph's first superstep."""
+        if "checkpoint" not in state:
+            return None
+        saver = StepSaver()
+        thread: Any = {"configurable": {"thread_id": "values", "checkpoint_ns": ""}}
+        seed(saver, thread, state)
+        return self.graph(saver).get_state(thread).values
+
+    def _superstep(self, state: dict, ctx: Any) -> str:
+        saver = StepSaver()
+        graph = self.graph(saver)
+        thread: Any = {"configurable": {"thread_id": str(ctx.run_id), "checkpoint_ns": ""}}
+        if "checkpoint" in state:
+            seed(saver, thread, state)
+            graph_input = None
+        else:
+            graph_input = state.get("input")
+        # Settled here, on the step's own thread: a journaled call made from a thread of
+        # LangGraph's then finds the proof (the previous commit answered) in hand.
+        ctx._settled()
+        token = _current.set(ctx)
+        thread_token = _step_thread.set(threading.current_thread())
+        try:
+            graph.invoke(graph_input, thread, interrupt_before="*")
+            # A node may call interrupt() more than once: each resume may stop at the next.
+            while resume := decisions(graph.get_state(thread), ctx):
+                graph.invoke(Command(resume=resume), thread, interrupt_before="*")
+        finally:
+            _current.reset(token)
+            _step_thread.reset(thread_token)
+        latest = saver.get_tuple(thread)
+        if latest is None:  # pragma: no cover - the input (never None) is always stored
+            raise AgentDefinitionError(f"agent {self.name}: the graph stored no checkpoint")
+        state.clear()
+        state.update(document(latest, saver.serde))
+        return STEP if graph.get_state(latest.config).next else END
+
+
+def decisions(snapshot: Any, ctx: Any) -> dict[str, Any]:
+    """The answers to the ``interrupt()`` calls the superstep stopped at, by interrupt id:
+    each is an approval named after its node, asked with the interrupt's value (the run
+    waits, without a worker, until an operator decides; the superstep then runs again and
+    finds the decision). An answer is ``{"approved", "value", "comment", "by"}``, ``value``
+    being the interrupt's value as the operator approved it (edited or not)."""
+    answers = {}
+    for task in snapshot.tasks:
+        for waiting in task.interrupts:
+            decision = ctx.approval(task.name, waiting.value)
+            answers[waiting.id] = {
+                "approved": decision.approved,
+                "value": decision.payload,
+                "comment": decision.comment,
+                "by": decision.by,
+            }
+    return answers
+
+
+def _initial_state(input: Any) -> dict:
+    if input is None:
+        # LangGraph takes an input of None for "go on from the last checkpoint": a new
+        # thread has none, so the graph would do nothing at all.
+        raise ValueError("a graph needs an input (its first values), not null")
+    return {"input": input}
+
+
+def agent(
+    name: str, build: Callable[[], Any], *, version: str | int = "1", **options: Any
+) -> GraphAgent:
+    """Register the graph ``build()`` makes as the agent ``name``: operators start it like
+    any agent and the workers execute it, one superstep per checkpoint. ``options`` are
+    ``Agent``'s (``retry=``, ``durability=``, ``limits=``, ``step_timeout=``, ...)."""
+    return GraphAgent(name, build, version=version, **options)
+
+
+def document(found: Any, serde: Any) -> dict:
+    """A LangGraph checkpoint tuple as the run's state: the shape ``DurableSaver`` stores."""
+    fields = dict(found.checkpoint)
+    values = fields.pop("channel_values")
+    return {
+        "checkpoint": codec.Encoder(serde).encode(fields),
+        "values": codec.Encoder(serde).encode(values),
+        "metadata": codec.Encoder(serde).encode(dict(found.metadata)),
+    }
+
+
+def seed(saver: StepSaver, config: Any, state: dict) -> Any:
+    """Put the run's state (a checkpoint ``document``) into ``saver``; the config that
+    names it."""
+    checkpoint = codec.decode(state["checkpoint"], saver.serde)
+    checkpoint["channel_values"] = codec.decode(state["values"], saver.serde)
+    metadata = codec.decode(state["metadata"], saver.serde)
+    return saver.put(config, checkpoint, metadata, dict(checkpoint["channel_versions"]))
+
+
+def journaled(key: str) -> Callable[[F], F]:
+    """Make a tool a journaled call of the run executing the graph: its JSON result is
+    recorded as it returns and replayed, not paid again, when the superstep runs again.
+    Outside a registered graph's step (a graph run by hand), the tool simply runs."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ctx = _current.get(None)
+            if ctx is None:
+                return fn(*args, **kwargs)
+            return _in_node(lambda: ctx.call(f"{_node()}/{key}", fn, *args, **kwargs))
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def effect(key: str, **options: Any) -> Callable[[F], F]:
+    """Make a tool a side effect of the run executing the graph (``ctx.effect``): called as
+    ``fn(*args, idempotency_key=..., **kwargs)``, performed at most once per identity, shown
+    in a rollback's preview and asked again, not repeated, on a branch that reaches it after
+    a rollback. ``options`` are ``ctx.effect``'s (``idempotent=``, ``reconcile=``,
+    ``compensate=``, ``label=``). Outside a registered graph's step the tool simply runs,
+    with a key of its own."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ctx = _current.get(None)
+            if ctx is None:
+                return fn(*args, idempotency_key=uuid.uuid4().hex, **kwargs)
+            name = f"{_node()}/{key}"
+            return _in_node(lambda: ctx.effect(name, fn, *args, **options, **kwargs))
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def wait_for(name: str) -> Any:
+    """Inside a node: the next message named ``name`` sent to the run
+    (``operations.send``, the API, the CLI), the run waiting without a worker until one
+    arrives; the superstep then runs again and this returns the message. Outside a
+    registered graph's step it is LangGraph's ``interrupt({"wait_for": name})``: resume it
+    with the message."""
+    ctx = _current.get(None)
+    if ctx is None:
+        return interrupt({"wait_for": name})
+    return _in_node(lambda: ctx.wait_for(name))
+
+
+def _in_node(operation: Callable[[], Any]) -> Any:
+    try:
+        return operation()
+    finally:
+        if threading.current_thread() is not _step_thread.get():
+            # LangGraph's task threads end with the superstep: so does their session.
+            connection.close()
+
+
+def _node() -> str:
+    from langgraph.config import get_config
+
+    try:
+        return str(get_config().get("metadata", {}).get("langgraph_node", "")) or "graph"
+    except RuntimeError:  # called outside a node
+        return "graph"

@@ -1,0 +1,350 @@
+"""A LangGraph graph registered as an agent, executed by the engine in this process: one
+superstep per checkpoint, the same final state as LangGraph's InMemorySaver, journaled
+tools replayed instead of paid again, and bad definitions refused with a clear error."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+from langgraph.checkpoint.memory import InMemorySaver
+
+from durability import operations, registry
+from durability.runtime import inflight
+from durability.errors import AgentDefinitionError, InvalidInput, SchemaViolation, UnknownAgent
+from durability.langgraph import agent, journaled
+from durability.models import (
+    Approval,
+    ApprovalStatus,
+    Checkpoint,
+    JournalEntry,
+    Run,
+    RunStatus,
+)
+from durability.testing import drive
+from tests import langgraph_agents as graphs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    path = tmp_path / "ledger"
+    path.touch()
+    monkeypatch.setenv("LG_TOOL_LEDGER", str(path))
+    monkeypatch.setattr(graphs, "PAUSE", 0.0)
+    return path
+
+
+def reference(turns: int = graphs.TURNS) -> dict:
+    """The graph run uninterrupted by LangGraph alone."""
+    graph = graphs.support_graph(turns).compile(checkpointer=InMemorySaver())
+    return graph.invoke(graphs.first_input(), {"configurable": {"thread_id": "reference"}})
+
+
+def paid(ledger, run_id) -> list[tuple[str, str]]:
+    lines = [line.split() for line in ledger.read_text().splitlines()]
+    return sorted((tool, arg) for thread, tool, arg, _ts in lines if thread == str(run_id))
+
+
+@pytest.mark.smoke
+def test_a_registered_graph_runs_one_superstep_per_checkpoint(ledger):
+    run = operations.start("lg-support", graphs.first_input())
+    assert run.status == RunStatus.QUEUED
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    expected = reference()
+    assert graphs.values_of(run.id) == expected
+    # The input and the first superstep, then one checkpoint per superstep: model, then
+    # tools beside audit, five times, and the last model turn.
+    assert done.head_seq == 1 + 1 + 2 * graphs.TURNS
+    steps = set(Checkpoint.objects.filter(run=run, seq__gt=0).values_list("next_step", flat=True))
+    assert steps == {"graph", ""}
+    assert operations.verify(run.id)[0].ok
+    # Each tool call paid once and journaled under its node's name.
+    keys = sorted(JournalEntry.objects.filter(run=run).values_list("key", flat=True))
+    assert keys == sorted(["tools/search"] * graphs.TURNS + ["audit/log"] * graphs.TURNS)
+    assert paid(ledger, run.id) == sorted(
+        [("search", f"q{i}") for i in range(graphs.TURNS)]
+        + [("log", f"t{i + 1}") for i in range(graphs.TURNS)]
+    )
+
+
+@pytest.mark.smoke
+def test_a_superstep_run_again_replays_its_journaled_tools(ledger, faults):
+    # The process dies while committing the superstep that ran both tools (checkpoint #3):
+    # its tools' results were journaled; running the superstep again replays them.
+    faults.set({"point": "in_commit", "when": {"seq": 3}, "action": "crash"})
+    run = operations.start("lg-support", graphs.first_input())
+    done = drive(run.id)
+    assert faults.fired() == 1
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == reference()
+    assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
+
+
+def test_a_journaled_tool_outside_a_worker_just_runs():
+    calls = []
+
+    @journaled("ping")
+    def ping(x: int) -> int:
+        calls.append(x)
+        return x + 1
+
+    assert ping(1) == 2 and calls == [1]
+
+
+def test_bad_definitions_and_inputs_are_refused_with_a_clear_error_writing_nothing():
+    with pytest.raises(AgentDefinitionError, match="build must be a function"):
+        agent("lg-bad", 42, register=False)  # type: ignore[arg-type]
+    with pytest.raises(UnknownAgent):
+        operations.start("lg-nobody", {})
+    with pytest.raises(SchemaViolation, match="a graph needs an input"):
+        operations.start("lg-support", None)
+    with pytest.raises(InvalidInput):
+        operations.start("lg-support", {"messages": {1, 2}})
+    assert not Run.objects.exists()
+
+
+def test_a_build_that_makes_no_graph_fails_the_run_naming_why():
+    agent("lg-not-a-graph", lambda: {"nodes": []})
+    try:
+        run = operations.start("lg-not-a-graph", {})
+        done = drive(run.id)
+        assert done.status == RunStatus.FAILED
+        assert "not a LangGraph StateGraph or compiled graph" in done.error
+    finally:
+        registry.unregister("lg-not-a-graph")
+
+
+def refund_reference(answer: dict) -> dict:
+    from langgraph.types import Command
+
+    graph = graphs.refund_graph().compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "reference"}}
+    graph.invoke({"amount": 50, "paid": 0, "answer": {}}, cfg)
+    (waiting,) = graph.get_state(cfg).interrupts
+    return graph.invoke(Command(resume={waiting.id: answer}), cfg)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(
+    "approve, edited, paid_amount",
+    [(True, None, 50), (True, {"question": "refund?", "amount": 20}, 20), (False, None, 0)],
+    ids=["approve", "approve with edits", "reject"],
+)
+def test_an_interrupt_is_an_approval_whose_decision_resumes_the_graph(
+    ledger, approve, edited, paid_amount
+):
+    run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    asked = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert asked.name == "ask"
+    assert operations.canonical.loads(asked.payload) == {"question": "refund?", "amount": 50}
+    operations.decide(run.id, "ask", approve=approve, by="ops", comment="ok", payload=edited)
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    answer = {
+        "approved": approve,
+        "value": edited or {"question": "refund?", "amount": 50},
+        "comment": "ok",
+        "by": "ops",
+    }
+    assert graphs.values_of(run.id) == refund_reference(answer)
+    assert graphs.values_of(run.id)["paid"] == paid_amount
+    assert paid(ledger, run.id) == ([("pay", str(paid_amount))] if approve else [])
+
+
+def test_a_message_reaches_a_graph_waiting_for_it():
+    run = operations.start("lg-chat", {"got": [], "ticks": 0})
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "message"
+    operations.send(run.id, "reply", {"text": "hi"}, by="user")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == {"got": [{"text": "hi"}, "answered 1"], "ticks": 1}
+
+
+def test_a_message_sent_before_the_graph_waits_is_kept_for_it():
+    run = operations.start("lg-chat", {"got": [], "ticks": 0})
+    operations.send(run.id, "reply", "early", by="user")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id)["got"] == ["early", "answered 1"]
+
+
+def test_outside_a_worker_wait_for_is_an_interrupt_resumed_with_the_message():
+    from langgraph.types import Command
+
+    graph = graphs.chat_graph().compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "by-hand"}}
+    graph.invoke({"got": [], "ticks": 0}, cfg)
+    (waiting,) = graph.get_state(cfg).interrupts
+    assert waiting.value == {"wait_for": "reply"}
+    assert graph.invoke(Command(resume="hi"), cfg)["got"] == ["hi", "answered 1"]
+
+
+def test_a_graph_refuses_the_periodic_level():
+    with pytest.raises(AgentDefinitionError, match="periodic"):
+        agent("lg-periodic", graphs.chat_graph, durability="periodic", register=False)
+
+
+def refunded(approve: bool = True):
+    run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
+    drive(run.id)
+    operations.decide(run.id, "ask", approve=approve, by="ops")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    return done
+
+
+def test_rollback_to_a_superstep_previews_the_effect_and_asks_before_paying_again(ledger):
+    run = refunded()
+    # #1 the input, #2 the resumed ask, #3 act (the refund paid): back to #2.
+    assert run.head_seq == 3
+    plan = operations.plan_rollback(run.id, 2)
+    assert [e.key for e in plan.done_not_undone] == ["act/pay"]
+    operations.rollback(run.id, 2, by="ops", reason="pay again?", and_continue=True)
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    asked = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert asked.name.endswith("act/pay")
+    assert paid(ledger, run.id) == [("pay", "50")]
+    operations.decide(run.id, asked.name, approve=False, by="ops", comment="no")
+    failed = drive(run.id)
+    assert failed.status == RunStatus.FAILED and "not performed again" in failed.error
+    assert paid(ledger, run.id) == [("pay", "50")]
+
+
+@pytest.mark.smoke
+def test_rollback_and_continue_reusing_the_outcome_resumes_the_graph_without_paying(ledger):
+    run = refunded()
+    plan = operations.plan_rollback(run.id, 2)
+    (done,) = plan.done_not_undone
+    operations.rollback(
+        run.id, 2, by="ops", reason="again", and_continue=True, decisions={done.id: "reuse"}
+    )
+    again = drive(run.id)
+    assert again.status == RunStatus.SUCCEEDED, again.error
+    assert again.head_seq == 5  # the rollback's new head, then act once more
+    assert graphs.values_of(run.id)["paid"] == 50
+    assert paid(ledger, run.id) == [("pay", "50")]
+
+
+def test_a_fork_from_a_superstep_continues_the_graph_in_a_new_run(ledger):
+    run = operations.start("lg-support", graphs.first_input())
+    drive(run.id)
+    fork = operations.fork(run.id, 4, by="ops", reason="try again from turn 2")
+    done = drive(fork.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(fork.id) == reference()
+    # The fork's calls are its own: #3 ran the first turn's tools, the other four turns'
+    # ran again in the fork (a run, and a thread, of its own).
+    assert paid(ledger, fork.id) == sorted(
+        [("search", f"q{i}") for i in range(1, graphs.TURNS)]
+        + [("log", f"t{i + 1}") for i in range(1, graphs.TURNS)]
+    )
+
+
+def test_rollback_compensating_the_effect_runs_its_compensation_then_pays_again(ledger):
+    run = refunded()
+    (done,) = operations.plan_rollback(run.id, 2).done_not_undone
+    operations.rollback(
+        run.id, 2, by="ops", reason="undo", and_continue=True, decisions={done.id: "compensate"}
+    )
+    again = drive(run.id)
+    assert again.status == RunStatus.SUCCEEDED, again.error
+    assert paid(ledger, run.id) == [("pay", "50"), ("pay", "50"), ("unpay", "50")]
+
+
+def test_a_node_asking_twice_asks_one_approval_after_the_other():
+    run = operations.start("lg-questions", {"first": None, "second": None})
+    drive(run.id)
+    operations.decide(run.id, "ask", approve=True, by="ops")
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    second = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert operations.canonical.loads(second.payload) == {"question": "second?"}
+    operations.decide(run.id, "ask", approve=False, by="ops")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == {"first": True, "second": False}
+    assert Approval.objects.filter(run=run).count() == 2
+
+
+def test_an_interrupt_inside_a_subgraph_is_an_approval_too():
+    from langgraph.types import Command
+
+    from tests import langgraph_graphs
+
+    run = operations.start("lg-nested", {"log": [], "answer": ""})
+    waiting = drive(run.id)
+    assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
+    operations.decide(run.id, "sub", approve=True, by="ops", comment="the red one")
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    graph = langgraph_graphs.with_subgraph().compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "reference"}}
+    graph.invoke({"log": [], "answer": ""}, cfg)
+    (asked,) = graph.get_state(cfg).interrupts
+    answer = {"approved": True, "value": "which?", "comment": "the red one", "by": "ops"}
+    assert graphs.values_of(run.id) == graph.invoke(Command(resume={asked.id: answer}), cfg)
+
+
+def test_an_interrupt_whose_value_is_not_json_fails_the_run_naming_it():
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import interrupt
+
+    def build() -> StateGraph:
+        def ask(state: dict) -> dict:
+            return {"answer": interrupt({"choices": {1, 2}})}
+
+        g = StateGraph(dict)
+        g.add_node("ask", ask)
+        g.add_edge(START, "ask")
+        g.add_edge("ask", END)
+        return g
+
+    agent("lg-not-json", build)
+    try:
+        run = operations.start("lg-not-json", {"answer": None})
+        done = drive(run.id)
+        assert done.status == RunStatus.FAILED
+        assert "payload of approval 'ask'" in done.error, done.error
+        assert not Approval.objects.filter(run=run).exists()
+    finally:
+        registry.unregister("lg-not-json")
+
+
+def test_a_graph_executed_off_the_main_thread_runs_the_same(ledger):
+    # As in a worker of Celery's threads pool: the step's thread is not the main thread, and
+    # journaled calls run on it as well as on LangGraph's task threads.
+    run = operations.start("lg-support", graphs.first_input())
+    outcome = {}
+
+    def execute() -> None:
+        try:
+            outcome["run"] = drive(run.id)
+        finally:
+            # The thread's sessions: Django's and the one its commits were sent ahead on.
+            inflight.channel().close()
+            connection.close()
+
+    thread = threading.Thread(target=execute)
+    thread.start()
+    thread.join(60)
+    assert outcome["run"].status == RunStatus.SUCCEEDED, outcome["run"].error
+    assert graphs.values_of(run.id) == reference()
+    assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
+
+
+def test_a_compiled_graph_is_registered_too():
+    agent("lg-compiled", lambda: graphs.support_graph(1).compile())
+    try:
+        run = operations.start("lg-compiled", graphs.first_input())
+        assert drive(run.id).status == RunStatus.SUCCEEDED
+        assert graphs.values_of(run.id) == reference(turns=1)
+    finally:
+        registry.unregister("lg-compiled")
