@@ -11,7 +11,6 @@ from django.db import connection
 from langgraph.checkpoint.memory import InMemorySaver
 
 from durability import operations, registry
-from durability.runtime import inflight
 from durability.errors import AgentDefinitionError, InvalidInput, SchemaViolation, UnknownAgent
 from durability.langgraph import agent, journaled
 from durability.models import (
@@ -22,6 +21,7 @@ from durability.models import (
     Run,
     RunStatus,
 )
+from durability.runtime import inflight
 from durability.testing import drive
 from tests import langgraph_agents as graphs
 

@@ -166,7 +166,7 @@ class GraphAgent(Agent):
             graph_input = state.get("input")
         # Settled here, on the step's own thread: a journaled call made from a thread of
         # LangGraph's then finds the proof (the previous commit answered) in hand.
-        ctx._settled()
+        ctx.settle()
         token = _current.set(ctx)
         thread_token = _step_thread.set(threading.current_thread())
         try:

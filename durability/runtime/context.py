@@ -119,6 +119,12 @@ class Context(Effects, Waits):
             self._before_durable()
         return proof
 
+    def settle(self) -> None:
+        """Wait here, now, for the previous step's commit to be answered. A step that hands
+        ``ctx`` to threads of its own (a LangGraph graph's tasks) calls it first, so that the
+        answer is taken on the step's thread and those threads find the proof in hand."""
+        self._settled()
+
     def _fence(self, proof: Settled) -> None:
         """Inside a transaction: lock the run row and check the lease is still ours."""
         if (
