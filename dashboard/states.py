@@ -78,7 +78,7 @@ def load(cp: Checkpoint) -> Loaded:
 def _for_people(cp: Checkpoint, state: Any) -> Any:
     """A LangGraph checkpoint's state with the values LangGraph serialised (messages,
     interrupts) decoded to readable JSON; any other state as it is."""
-    return describe.readable(state) if describe.is_graph_checkpoint(cp) else state
+    return describe.readable(state) if describe.is_graph_state(cp) else state
 
 
 def load_pair(older: Checkpoint, newer: Checkpoint) -> tuple[Loaded, Loaded]:

@@ -5,9 +5,12 @@ tools replayed instead of paid again, and bad definitions refused with a clear e
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 from django.db import connection
+from django.test import Client
+from django.urls import reverse
 from langgraph.checkpoint.memory import InMemorySaver
 
 from durability import operations, registry
@@ -24,6 +27,7 @@ from durability.models import (
 from durability.runtime import inflight
 from durability.testing import drive
 from tests import langgraph_agents as graphs
+from tests.dashboard_helpers import OPERATORS, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -348,3 +352,20 @@ def test_a_compiled_graph_is_registered_too():
         assert graphs.values_of(run.id) == reference(turns=1)
     finally:
         registry.unregister("lg-compiled")
+
+
+def test_the_dashboard_shows_a_registered_graphs_state_decoded(ledger, settings):
+    """Its checkpoints hold the saver's document: the state tab shows the channel values
+    first, messages as their type and fields, as for a graph run in its own process."""
+    Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
+    run = operations.start("lg-support", graphs.first_input())
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    client = Client()
+    client.force_login(make_user("olive", OPERATORS))
+    url = reverse("dashboard:checkpoint", args=[run.id, 3])
+    top = client.get(f"{url}?tab=state").content.decode()
+    assert top.index("values") < top.index("checkpoint</")
+    tree = reverse("dashboard:tree", args=[run.id, 3])
+    message = client.get(tree, {"path": "/values/messages/2"}, HTTP_HX_REQUEST="true")
+    shown = message.content.decode()
+    assert "tool_call_id" in shown and "call-0" in shown and '"type"' not in shown, shown

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durability import canonical
+from durability.agents import registry
+from durability.errors import UnknownAgent
 from durability.langgraph import codec
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.runs import continue_code, how_to_continue
@@ -97,6 +99,18 @@ class Waiting:
 def is_graph_checkpoint(checkpoint: Any) -> bool:
     """Whether a checkpoint row was written by the saver (its state is a LangGraph doc)."""
     return getattr(checkpoint, "agent_version", "") == AGENT_VERSION
+
+
+def is_graph_state(checkpoint: Any) -> bool:
+    """Whether a checkpoint's state is a LangGraph document: the saver wrote it, or the
+    workers did for a graph registered as an agent (``durability.langgraph.agent``), whose
+    checkpoints keep the saver's shape."""
+    if is_graph_checkpoint(checkpoint):
+        return True
+    try:
+        return bool(getattr(registry.get(checkpoint.run.agent), "langgraph_state", False))
+    except UnknownAgent:
+        return False
 
 
 def serde() -> Any:

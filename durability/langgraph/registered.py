@@ -106,6 +106,9 @@ class GraphAgent(Agent):
     docstring). ``build()`` returns the graph: a ``StateGraph`` (compiled here) or a
     compiled graph (its checkpointer is replaced)."""
 
+    # Its checkpoints hold the saver's document: the dashboard decodes them the same way.
+    langgraph_state = True
+
     def __init__(self, name: str, build: Callable[[], Any], **options: Any) -> None:
         if not callable(build):
             raise AgentDefinitionError(f"agent {name}: build must be a function making a graph")
