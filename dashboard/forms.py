@@ -5,6 +5,7 @@ are shown on the same form."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from django import forms
@@ -413,3 +414,53 @@ class SendForm(forms.Form):
         else:
             data["value"] = text
         return data
+
+
+IDEMPOTENCY_KEY_MAX = 255
+
+
+class StartForm(forms.Form):
+    """Start a run. The agent and the durability level are free text here, not choices, so
+    that a stale or hand-made form gets the engine's own sentence (unknown agent, a level
+    this database cannot honour) next to the field, not Django's generic one."""
+
+    agent = forms.CharField(max_length=200, widget=forms.Select)
+    input = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 14, "spellcheck": "false", "class": "code"}),
+    )
+    idempotency_key = forms.CharField(
+        max_length=IDEMPOTENCY_KEY_MAX,
+        required=False,
+        label="Idempotency key",
+        help_text=(
+            "Optional. The same key and input start nothing new; the same key with another"
+            " input is refused."
+        ),
+    )
+    durability = forms.CharField(max_length=32, required=False, widget=forms.Select)
+    reason = forms.CharField(
+        max_length=REASON_MAX,
+        required=False,
+        widget=forms.TextInput,
+        help_text="Optional; kept in the audit log.",
+    )
+    token = TokenField()
+
+    def __init__(
+        self,
+        *args: Any,
+        agents: Sequence[tuple[str, str]] = (),
+        levels: Sequence[tuple[str, str]] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial.setdefault("token", new_token())
+        self.fields["agent"].widget.choices = list(agents)
+        self.fields["durability"].widget.choices = list(levels)
+
+    def clean_input(self) -> Any:
+        # An empty box is no input at all (null), as when the CLI is given no --input.
+        text = self.cleaned_data["input"]
+        return parse_json(text, "the input") if text.strip() else None

@@ -2,12 +2,13 @@ from django.urls import URLPattern, path
 
 from dashboard.middleware import answered, login_required, no_nul
 from dashboard.permissions import reader_required
-from dashboard.views import actions, approvals, audit, diff, run, runs, slo
+from dashboard.views import actions, approvals, audit, diff, run, runs, slo, start
 
 app_name = "dashboard"
 
 urlpatterns = [
     path("", runs.runs, name="runs"),
+    path("runs/new/", start.start, name="start"),  # before runs/<ref>/, which would take "new"
     path("runs/<str:ref>/", run.run_detail, name="run"),
     path("runs/<str:ref>/checkpoints/", run.checkpoint_list, name="checkpoints"),
     path("runs/<str:ref>/checkpoints/<int:seq>/", run.checkpoint_detail, name="checkpoint"),

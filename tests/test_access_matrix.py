@@ -206,6 +206,17 @@ ROUTES: dict[str, Route] = {
             "version": version(s),
         },
     ),
+    "start": Route(
+        lambda s: reverse("dashboard:start"),
+        lambda s: {"agent": "dash-chain"},
+        post="act",
+        form=lambda s: {
+            "agent": "dash-chain",
+            "input": '{"question": "Matrix?"}',
+            "reason": "matrix",
+            "token": new_token(),
+        },
+    ),
     "approvals": Route(lambda s: reverse("dashboard:approvals")),
     "approval": Route(
         lambda s: reverse("dashboard:approval", args=[s.approval.pk]),
