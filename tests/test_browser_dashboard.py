@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -384,3 +385,22 @@ def test_the_slo_page_after_a_worker_was_killed(web):
         page.request.get(f"{web.base}/runs/{crashed.id}/checkpoints/0/state.json").text()
     )
     assert data["question"].startswith("Why add jitter")
+
+
+def test_start_a_run_from_the_runs_list_and_land_on_its_page(web):
+    page = web.sign_in("olive")
+    page.get_by_role("link", name="Start a run").first.click()
+    page.wait_for_url(f"{web.base}/runs/new/")
+    page.select_option("#id_agent", "research")
+    # The picker redraws only what depends on the agent: the sentence above the button
+    # follows it, and what is typed in the input box stays.
+    expect(page.locator("#start-consequence")).to_contain_text("Starts a new run of research")
+    page.fill("#id_input", json.dumps({"question": "Started from the dashboard?"}))
+    page.fill("#id_reason", "tried from the browser")
+    web.shoot("start")
+    page.get_by_role("button", name="Start the run").click()
+    page.wait_for_url(re.compile(r"/runs/[0-9a-f-]{36}/$"))
+    run = Run.objects.get(created_by="olive")
+    assert page.url == f"{web.base}/runs/{run.id}/"
+    assert run.agent == "research" and json.loads(run.input)["question"].startswith("Started")
+    expect(page.locator("body")).to_contain_text(f"Started run {run.short_id} of research")
