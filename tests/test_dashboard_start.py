@@ -125,6 +125,9 @@ def test_the_agent_picker_swaps_only_the_agent_region(as_operator):
     assert 'id="agent-help"' in html and "refunds input schema" in html
     assert 'name="input"' not in html  # what the operator typed stays
     assert 'id="start-consequence" hx-swap-oob="true"' in html
+    # The level's default is the agent's own: its select follows the agent too.
+    assert 'id="start-levels" class="stack" hx-swap-oob="true"' in html
+    assert "the agent&#x27;s own (strict)" in html
 
 
 def test_an_unknown_agent_in_the_link_is_said(as_operator):
