@@ -265,3 +265,12 @@ def test_a_graph_registered_as_an_agent_is_startable_the_same_way(as_operator):
     run = Run.objects.get()
     assert response["Location"] == reverse("dashboard:run", args=[run.id])
     assert run.agent == "lg-support" and run.created_by == "olive"
+
+
+def test_the_runs_list_offers_the_button_to_operators_only(as_operator, as_viewer):
+    mine = text_of(as_operator.get(reverse("dashboard:runs")))
+    assert f'id="start-run" href="{URL}">Start a run</a>' in mine
+    # The empty state links to the form as well as giving the command.
+    assert f'<a href="{URL}">Start a run from this dashboard</a>' in mine
+    theirs = text_of(as_viewer.get(reverse("dashboard:runs")))
+    assert 'id="start-run" disabled' in theirs and "Only operators may start runs" in theirs

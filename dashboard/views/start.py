@@ -65,7 +65,9 @@ def _start_post(request: HttpRequest, agents: list[Agent]) -> HttpResponse:
     data = form.cleaned_data
     who = request.user.get_username()
     key = data["idempotency_key"]
-    before = Run.objects.filter(idempotency_key=key).values_list("id", flat=True).first()
+    before = None
+    if key:  # the run this key already started, if any: a repeat is told so
+        before = Run.objects.filter(idempotency_key=key).values_list("id", flat=True).first()
     try:
         with transaction.atomic():
             # The form's one-time token, spent with the start: a double click starts one run.
