@@ -179,6 +179,7 @@ def test_a_viewer_sees_the_button_disabled_and_is_refused(as_viewer):
     assert "Only operators may start runs" in html
     response = post(as_viewer)
     assert response.status_code == 403
+    assert "Only operators may start runs" in text_of(response)
     assert Run.objects.count() == 0 and Event.objects.count() == 0
 
 

@@ -18,13 +18,14 @@ from django.views.decorators.http import require_http_methods
 
 from dashboard import params
 from dashboard.forms import StartForm
-from dashboard.permissions import OPERATORS, operator_required
+from dashboard.permissions import OPERATORS, denied
 from dashboard.submissions import AlreadySubmitted, spend
 from dashboard.views.common import explain, page, wants_fragment
 from durability import operations
 from durability.agents import Agent, registry
-from durability.errors import DurabilityError, IdempotencyConflict, UnknownAgent
+from durability.errors import DurabilityError, IdempotencyConflict, NotAllowed, UnknownAgent
 from durability.models import Durability, Run
+from durability.roles import require_operator
 
 NOT_OPERATOR = (
     "Only operators may start runs. Your account can view runs but not change them; ask an"
@@ -36,10 +37,14 @@ EXAMPLE_DEPTH = 6
 
 
 @require_http_methods(["GET", "POST"])
-@operator_required
 def start(request: HttpRequest) -> HttpResponse:
     agents = registry.all()
     if request.method == "POST":
+        # The page is open to viewers (its button disabled, saying why); starting is not.
+        try:
+            require_operator(request.user)
+        except NotAllowed:
+            return denied(request, NOT_OPERATOR)
         return _start_post(request, agents)
     wanted = params.text(request.GET, "agent", 200)
     chosen = _find(agents, wanted) or (agents[0] if agents else None)
