@@ -275,3 +275,10 @@ def test_the_runs_list_offers_the_button_to_operators_only(as_operator, as_viewe
     assert f'<a href="{URL}">Start a run from this dashboard</a>' in mine
     theirs = text_of(as_viewer.get(reverse("dashboard:runs")))
     assert 'id="start-run" disabled' in theirs and "Only operators may start runs" in theirs
+
+
+def test_a_form_with_a_broken_one_time_token_is_refused_whole(as_operator):
+    response = post(as_operator, token="not-a-token")
+    assert response.status_code == 422
+    assert "no valid one-time token" in text_of(response)
+    assert Run.objects.count() == 0 and Event.objects.count() == 0
