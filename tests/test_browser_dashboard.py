@@ -86,16 +86,21 @@ def app(cluster, tmp_path_factory):
     cluster.worker(concurrency=2)
     cluster.start_beat()
     var = tmp_path_factory.mktemp("web-var")
-    env = {**cluster.env, "DURABILITY_VAR_DIR": str(var), "DEBUG": "0"}
+    server = started_web({**cluster.env, "DURABILITY_VAR_DIR": str(var), "DEBUG": "0"})
+    yield server
+    server.stop()
+
+
+def started_web(env: dict[str, str]) -> WebServer:
+    """gunicorn on ``env``, its static files collected into its var folder first, as
+    ``make up`` does (DEBUG off serves them through WhiteNoise)."""
     subprocess.run(
         [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
         cwd=ROOT,
         env=env,
         check=True,
     )
-    server = WebServer(env, free_port()).start()
-    yield server
-    server.stop()
+    return WebServer(env, free_port()).start()
 
 
 @pytest.fixture

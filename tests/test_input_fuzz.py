@@ -33,6 +33,7 @@ from dashboard.forms import (
     ResolveForm,
     RollbackForm,
     SendForm,
+    StartForm,
 )
 from dashboard.urls import urlpatterns
 from durability.models import Run
@@ -65,6 +66,7 @@ QUERY: dict[str, list[str]] = {
     "slo": ["window", "agent"],
     "audit": ["actor", "kind", "run", "before"],
     "notifications": ["before"],
+    "start": ["agent"],
 }
 
 
@@ -82,6 +84,7 @@ FORMS: dict[str, list[str]] = {
     "send": form_fields(SendForm(prefix="send"), "send-version"),
     "resolve": form_fields(ResolveForm(), "version"),
     "decide": form_fields(DecisionForm(), "next"),
+    "start": form_fields(StartForm()),
     # PayloadForm's fields are the approval's payload keys by position (f0..f3) and a comment
     # (checked against the form made for the approval under test, below).
     "approval": ["f0", "f1", "f2", "f3", "comment"],

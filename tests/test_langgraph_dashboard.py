@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from typing import TypedDict
 
 import pytest
@@ -28,8 +26,8 @@ from durability.langgraph.runs import BADGE
 from durability.models import Event, Run
 from examples import langgraph_support
 from tests import conftest
-from tests.procs import ROOT, free_port
-from tests.test_browser_dashboard import TIMEOUT_MS, Watched, WebServer, users
+from tests.procs import ROOT
+from tests.test_browser_dashboard import TIMEOUT_MS, Watched, started_web, users
 from tests.test_langgraph_cli import interrupted_here
 
 __all__ = ["users"]
@@ -50,13 +48,7 @@ def server(django_db_setup, django_db_blocker, tmp_path_factory):
         "DURABILITY_VAR_DIR": str(var),
         "DEBUG": "0",
     }
-    subprocess.run(
-        [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-    )
-    web = WebServer(env, free_port()).start()
+    web = started_web(env)
     yield web
     web.stop()
 
