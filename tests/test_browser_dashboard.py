@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -168,14 +170,22 @@ class Watched:
             shutil.copy(path, SHOTS / path.name)
 
 
-@pytest.fixture
-def web(browser, app, users):
-    watched = Watched(browser, app.url)
+@contextmanager
+def watching(browser, url: str) -> Iterator[Watched]:
+    """A browser context on ``url`` whose console errors and CSP violations fail the test
+    once it is done."""
+    watched = Watched(browser, url)
     yield watched
     try:
         watched.check()
     finally:
         watched.context.close()
+
+
+@pytest.fixture
+def web(browser, app, users):
+    with watching(browser, app.url) as watched:
+        yield watched
 
 
 def settled(run_id, *, reasons=("approval", "in_doubt"), timeout: float = 60.0) -> Run:

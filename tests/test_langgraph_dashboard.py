@@ -27,7 +27,7 @@ from durability.models import Event, Run
 from examples import langgraph_support
 from tests import conftest
 from tests.procs import ROOT
-from tests.test_browser_dashboard import TIMEOUT_MS, Watched, started_web, users
+from tests.test_browser_dashboard import TIMEOUT_MS, started_web, users, watching
 from tests.test_langgraph_cli import interrupted_here
 
 __all__ = ["users"]
@@ -55,12 +55,8 @@ def server(django_db_setup, django_db_blocker, tmp_path_factory):
 
 @pytest.fixture
 def web(browser, server, users):
-    watched = Watched(browser, server.url)
-    yield watched
-    try:
-        watched.check()
-    finally:
-        watched.context.close()
+    with watching(browser, server.url) as watched:
+        yield watched
 
 
 def shoot(page) -> None:
