@@ -61,7 +61,7 @@ class GraphRun:
     def code(self) -> str:
         """The call that continues the graph (with an answer, when it waits for one)."""
         asked = bool(self.asked or self.waiting.interrupts)
-        return continue_code(self.waiting.thread, interrupted=asked)
+        return continue_code(self.waiting.thread, interrupted=asked, ids=self.waiting.ids)
 
 
 def graph_run(run: Run) -> GraphRun | None:

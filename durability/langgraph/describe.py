@@ -39,6 +39,7 @@ class Task:
     routes: list[str] = field(default_factory=list)
     error: str = ""
     interrupts: list[str] = field(default_factory=list)
+    interrupt_ids: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
 
     @property
@@ -86,14 +87,20 @@ class Waiting:
     next: list[str]
     interrupts: list[tuple[str, str]]  # (node, the interrupt's value as JSON)
     errors: list[tuple[str, str]]
+    interrupt_ids: list[str] = field(default_factory=list)  # LangGraph's, where it gave one
 
     @property
     def how_to_continue(self) -> str:
-        return how_to_continue(self.thread, interrupted=bool(self.interrupts))
+        return how_to_continue(self.thread, interrupted=bool(self.interrupts), ids=self.ids)
 
     @property
     def code(self) -> str:
-        return continue_code(self.thread, interrupted=bool(self.interrupts))
+        return continue_code(self.thread, interrupted=bool(self.interrupts), ids=self.ids)
+
+    @property
+    def ids(self) -> list[str]:
+        """The interrupts' ids when each needs its own answer (more than one waits)."""
+        return self.interrupt_ids if len(self.interrupt_ids) > 1 else []
 
 
 def is_graph_checkpoint(checkpoint: Any) -> bool:
@@ -155,6 +162,7 @@ def _tasks(rows: Iterable[tuple], found: Any) -> dict[str, list[Task]]:
         elif channel == INTERRUPT:
             asked = _value(text, found)
             task.interrupts += [shown(getattr(i, "value", i)) for i in asked or ()]
+            task.interrupt_ids += [str(getattr(i, "id", "") or "") for i in asked or ()]
         elif channel == RESUME:
             task.answers.append(shown(codec.json_view(_value(text, found))))
         elif channel == ERROR:
@@ -215,6 +223,7 @@ def waiting(run: Any, head_values: Any = None) -> Waiting:
     tasks = writes_of(thread.pk, [head]).get(head, []) if thread and head else []
     answered = any(t.answers for t in tasks)
     interrupts = [] if answered else [(t.node, i) for t in tasks for i in t.interrupts]
+    ids = [] if answered else [i for t in tasks for i in t.interrupt_ids]
     errors = [(t.node, t.error) for t in tasks if t.error]
     values = head_values if isinstance(head_values, dict) else {}
-    return Waiting(thread, next_nodes(values), interrupts, errors)
+    return Waiting(thread, next_nodes(values), interrupts, errors, ids if all(ids) else [])

@@ -15,7 +15,7 @@ executed by the workers, so its runs are not outside them even though they have 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from durability.agents import registry
@@ -71,15 +71,26 @@ def thread_config(thread: Thread | None) -> str:
     return json.dumps({"configurable": {"thread_id": thread.thread_id if thread else "..."}})
 
 
-def continue_code(thread: Thread | None, *, interrupted: bool = False) -> str:
-    """The call that continues the graph on its thread, as Python source."""
-    given = "Command(resume=...)" if interrupted else "None"
+def continue_code(
+    thread: Thread | None, *, interrupted: bool = False, ids: Sequence[str] = ()
+) -> str:
+    """The call that continues the graph on its thread, as Python source. ``ids``: the
+    interrupts waiting, when there are several: LangGraph then wants one answer per
+    interrupt id, and refuses a single value."""
+    if ids:
+        given = "Command(resume={" + ", ".join(f"{i!r}: ..." for i in ids) + "})"
+    else:
+        given = "Command(resume=...)" if interrupted else "None"
     return f"graph.invoke({given}, {thread_config(thread)})"
 
 
-def how_to_continue(thread: Thread | None, *, interrupted: bool = False) -> str:
+def how_to_continue(
+    thread: Thread | None, *, interrupted: bool = False, ids: Sequence[str] = ()
+) -> str:
     """One sentence: what continues the graph, in its own process."""
-    code = continue_code(thread, interrupted=interrupted)
+    code = continue_code(thread, interrupted=interrupted, ids=ids)
+    if ids:
+        return f"Answer each interrupt, by its id, from the graph's own process: {code}"
     if interrupted:
         return f"Answer it from the graph's own process: {code}"
     return f"Continue it from the graph's own process: {code} goes on from its last checkpoint"

@@ -47,6 +47,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
 from typing import Any, TypeVar, cast
 
 from django.db import DatabaseError, connection, transaction
@@ -200,7 +201,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             with self._lock:
                 write(connection)
         seq = self._head_seq.get(thread.pk, 0)
-        if report := self._status.writes(thread, checkpoint_id, writes, task_path, seq):
+        if report := self._status.writes(thread, checkpoint_id, writes, task_path, seq, task_id):
             self._call(report)
 
     def get_next_version(self, current: int | None, channel: None = None) -> int:
@@ -492,13 +493,15 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._closer()
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` on the saver's thread (directly when already there)."""
+        """Run ``fn`` on the saver's thread (directly if there), in the caller's context."""
         if threading.current_thread() is self._worker_thread:
             return fn(*args)
-        return self._worker.submit(self._on_worker, fn, *args).result()
+        return self._worker.submit(copy_context().run, self._on_worker, fn, *args).result()
 
     async def _acall(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._worker.submit(self._on_worker, fn, *args))
+        return await asyncio.wrap_future(
+            self._worker.submit(copy_context().run, self._on_worker, fn, *args)
+        )
 
     def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
         self._worker_thread = threading.current_thread()

@@ -85,7 +85,9 @@ class Reporter:
         self._said: dict[int, str] = {}
         self._outside: dict[int, bool] = {}
         self._latest: dict[int, tuple[str, int]] = {}  # thread -> (checkpoint id, seq)
-        self._stops: dict[int, dict[str, tuple[str, str]]] = {}  # -> id -> (kind, text)
+        # thread -> checkpoint id -> task id -> (kind, text): every task of a superstep may
+        # stop it (parallel branches each calling ``interrupt()``).
+        self._stops: dict[int, dict[str, dict[str, tuple[str, str]]]] = {}
 
     def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
         """After checkpoint ``lg_id`` (``values``: its channel values): the report to write
@@ -95,7 +97,7 @@ class Reporter:
         for old in [k for k in stops if k < lg_id]:
             del stops[old]
         if lg_id in stops:
-            return self._report(thread, seq, *stops[lg_id])
+            return self._report(thread, seq, *_combined(stops[lg_id]))
         if next_nodes(values):
             return self._report(thread, seq, "wait", MID_RUN)
         return self._report(thread, seq, "end", "")
@@ -107,6 +109,7 @@ class Reporter:
         writes: Iterable[tuple[str, Any]],
         task_path: str,
         seq: int,
+        task_id: str = "",
     ) -> Callable | None:
         """After a task's writes on checkpoint ``lg_id``: a report for an interrupt or an
         error, if any, once that checkpoint is the latest. ``seq``: the run's head as the
@@ -117,8 +120,9 @@ class Reporter:
         latest, seq = self._latest.setdefault(thread.pk, (lg_id, seq))
         if lg_id < latest:
             return None
-        self._stops.setdefault(thread.pk, {})[lg_id] = stop
-        return self._report(thread, seq, *stop) if lg_id == latest else None
+        found = self._stops.setdefault(thread.pk, {}).setdefault(lg_id, {})
+        found[task_id or task_path] = stop
+        return self._report(thread, seq, *_combined(found)) if lg_id == latest else None
 
     def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Callable | None:
         said = f"{kind}:{text}"
@@ -148,15 +152,26 @@ class Reporter:
 
 
 def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] | None:
-    """What an interrupt or an error among a task's writes says of the run, if any."""
+    """What an interrupt or an error among a task's writes says of the run, if any: a
+    failure's message, or what the interrupt asks."""
     for channel, value in writes:
         if channel == INTERRUPT:
             asked = [getattr(i, "value", i) for i in (value or ())]
-            return "wait", f"{ANSWER}{'; '.join(shown(v) for v in asked) or '(no value)'}"
+            return "wait", "; ".join(shown(v) for v in asked) or "(no value)"
         if channel == ERROR:
             node = node_of(task_path) or "a task"
             return "fail", shown(f"node {node} raised {type(value).__name__}: {value}", 2000)
     return None
+
+
+def _combined(stops: Mapping[str, tuple[str, str]]) -> tuple[str, str]:
+    """One status for what a superstep's tasks stopped on. A failure wins: the graph
+    cannot go on before it is dealt with. Interrupts of parallel tasks are all named (each
+    needs its answer), in the order their tasks were stored."""
+    failed = [text for kind, text in stops.values() if kind == "fail"]
+    if failed:
+        return "fail", failed[0]
+    return "wait", ANSWER + "; ".join(text for _, text in stops.values())
 
 
 def _write(run_id: Any, seq: int, kind: str, text: str) -> None:

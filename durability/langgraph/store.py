@@ -29,6 +29,7 @@ from durability.langgraph.status import MID_RUN
 from durability.models import Checkpoint, CheckpointReason, Event, EventKind, Run, RunStatus
 from durability.store import langgraph as lg_store
 from durability.store.langgraph import AGENT_VERSION, SCHEMA_VERSION
+from durability.telemetry import current_traceparent
 
 # A new thread's run waits for its graph to go on (``status``: what the saver reports).
 WAIT_DETAIL = MID_RUN
@@ -66,6 +67,10 @@ def thread_of(thread_id: str, ns: str, *, graph: str, create: bool) -> Thread | 
                 started_at=timezone.now(),  # made by the graph's first checkpoint
                 input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),
                 parent_run=parent.run if parent else None,
+                # The span the graph's first checkpoint was stored under, if the user's
+                # process traces: the run page links to its trace, as it does for runs the
+                # workers execute. A subgraph's run is in its parent's trace.
+                trace_parent=parent.run.trace_parent if parent else current_traceparent(),
             )
             checkpoints.write_snapshot_checkpoint(
                 run,

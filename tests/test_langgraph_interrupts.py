@@ -1,0 +1,153 @@
+"""A graph in its user's own process, stopped on interrupts of parallel branches: its run
+names every question, the CLI gives the call that answers each by its id, and the answers
+finish it as they finish the same graph on InMemorySaver. And a graph stored under the
+user's span: its run links to that trace, as the runs the workers execute do."""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import operator
+import uuid
+from typing import Annotated, TypedDict
+
+import pytest
+from django.core.management import call_command
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, interrupt
+
+from dashboard.runinfo import trace_of
+from durability.langgraph import DurableSaver
+from durability.models import Run
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
+
+
+class Approvals(TypedDict):
+    answers: Annotated[list, operator.add]
+
+
+def _asks(name: str):
+    def node(state: Approvals) -> dict:
+        return {"answers": [f"{name}: {interrupt(f'may {name} go on?')}"]}
+
+    return node
+
+
+def fan_out():
+    builder = StateGraph(Approvals)
+    for name in ("billing", "shipping"):
+        builder.add_node(name, _asks(name))
+        builder.add_edge(START, name)
+        builder.add_edge(name, END)
+    return builder
+
+
+def command(*args: str) -> str:
+    out = io.StringIO()
+    call_command("durability", *args, stdout=out)
+    return out.getvalue()
+
+
+def _run_of(saver: DurableSaver, thread: str) -> Run:
+    run = saver.run_of(thread)
+    assert run is not None
+    return Run.objects.get(pk=run.pk)
+
+
+def test_parallel_interrupts_are_all_named_and_answered_each_by_its_id():
+    thread = f"fan-{uuid.uuid4().hex[:8]}"
+    config = {"configurable": {"thread_id": thread}}
+    saver = DurableSaver(graph="fan-out")
+    try:
+        graph = fan_out().compile(checkpointer=saver)
+        asked = graph.invoke({"answers": []}, config)["__interrupt__"]
+        assert sorted(i.value for i in asked) == ["may billing go on?", "may shipping go on?"]
+        run = _run_of(saver, thread)
+        assert run.status == "waiting"
+        # Both questions, not the last one stored.
+        assert "may billing go on?" in run.wait_detail, run.wait_detail
+        assert "may shipping go on?" in run.wait_detail, run.wait_detail
+        data = json.loads(command("show", str(run.id), "--json"))["langgraph"]
+        assert sorted(i["value"] for i in data["interrupts"]) == [
+            "may billing go on?",
+            "may shipping go on?",
+        ]
+        assert sorted(i["node"] for i in data["interrupts"]) == ["billing", "shipping"]
+        # LangGraph refuses one value for two interrupts: the call given answers each.
+        for i in asked:
+            assert f"{i.id!r}: ..." in data["how_to_continue"], data["how_to_continue"]
+        shown = command("show", str(run.id))
+        assert "Answer each interrupt, by its id" in shown
+        answers = {i.id: f"yes ({i.value})" for i in asked}
+        done = graph.invoke(Command(resume=answers), config)
+        run.refresh_from_db()
+        assert run.status == "succeeded" and run.wait_detail == ""
+    finally:
+        saver.close()
+        gc.collect()
+    reference = fan_out().compile(checkpointer=InMemorySaver())
+    first = reference.invoke({"answers": []}, config)["__interrupt__"]
+    expected = reference.invoke(Command(resume={i.id: f"yes ({i.value})" for i in first}), config)
+    assert sorted(done["answers"]) == sorted(expected["answers"])
+    assert sorted(done["answers"]) == [
+        "billing: yes (may billing go on?)",
+        "shipping: yes (may shipping go on?)",
+    ]
+
+
+class _Count(TypedDict):
+    n: int
+
+
+def _child():
+    builder = StateGraph(_Count)
+    builder.add_node("inc", lambda s: {"n": s["n"] + 1})
+    builder.add_edge(START, "inc")
+    builder.add_edge("inc", END)
+    return builder.compile()
+
+
+def _parent():
+    builder = StateGraph(_Count)
+    builder.add_node("child", _child())
+    builder.add_edge(START, "child")
+    builder.add_edge("child", END)
+    return builder
+
+
+@pytest.mark.parametrize("memory_spans", ["sdk"], indirect=True)
+def test_a_graph_stored_under_a_span_links_its_run_and_its_subgraph_to_that_trace(
+    memory_spans,
+):
+    from opentelemetry import trace
+
+    thread = f"traced-{uuid.uuid4().hex[:8]}"
+    saver = DurableSaver(graph="traced")
+    try:
+        graph = _parent().compile(checkpointer=saver)
+        with trace.get_tracer("the user's app").start_as_current_span("handle request") as span:
+            assert graph.invoke({"n": 0}, {"configurable": {"thread_id": thread}}) == {"n": 1}
+        run = _run_of(saver, thread)
+    finally:
+        saver.close()
+        gc.collect()
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    shown = trace_of(run)
+    assert shown is not None and shown.id == trace_id
+    children = list(Run.objects.filter(parent_run=run))
+    assert children, "the subgraph's namespace is a child run"
+    assert all(trace_of(child).id == trace_id for child in children)
+    # Outside any span: no trace, and no made-up link.
+    untraced = f"untraced-{uuid.uuid4().hex[:8]}"
+    saver = DurableSaver(graph="traced")
+    try:
+        _parent().compile(checkpointer=saver).invoke(
+            {"n": 0}, {"configurable": {"thread_id": untraced}}
+        )
+        assert trace_of(_run_of(saver, untraced)) is None
+    finally:
+        saver.close()
+        gc.collect()
