@@ -71,7 +71,7 @@ from langgraph.pregel import Pregel
 from langgraph.types import Command, interrupt
 
 from durability.agents import END, Agent
-from durability.errors import AgentDefinitionError
+from durability.errors import AgentDefinitionError, SchemaViolation
 from durability.langgraph import codec
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -158,6 +158,19 @@ class GraphAgent(Agent):
         seed(saver, thread, state)
         return self.graph(saver).get_state(thread).values
 
+    def validate(self, state: Any) -> None:
+        """The agent's checks, and the document's shape: an edited state (a fork, an
+        approval's edits) that LangGraph could not load is refused before it is stored,
+        not when a worker executes it."""
+        super().validate(state)
+        if "checkpoint" not in state and set(state) == {"input"}:
+            return  # before the first superstep
+        problem = document_problem(state)
+        if problem:
+            raise SchemaViolation(
+                f"state of agent {self.name} is not a graph checkpoint: {problem}"
+            )
+
     def _superstep(self, state: dict, ctx: Any) -> str:
         saver = StepSaver()
         graph = self.graph(saver)
@@ -233,6 +246,22 @@ def document(found: Any, serde: Any) -> dict:
         "values": codec.Encoder(serde).encode(values),
         "metadata": codec.Encoder(serde).encode(dict(found.metadata)),
     }
+
+
+def document_problem(state: dict) -> str:
+    """What keeps ``state`` from being a checkpoint ``document`` ("" if nothing)."""
+    for key in ("checkpoint", "values", "metadata"):
+        if not isinstance(state.get(key), dict):
+            return f"{key!r} must be a JSON object (it holds the graph's {key})"
+    if set(state) - {"checkpoint", "values", "metadata"}:
+        extra = sorted(set(state) - {"checkpoint", "values", "metadata"})
+        return f"unknown keys {extra}: only 'checkpoint', 'values' and 'metadata' are kept"
+    for key in ("channel_versions", "versions_seen"):
+        if not isinstance(state["checkpoint"].get(key), dict):
+            return f"checkpoint.{key} must be a JSON object"
+    if not isinstance(state["checkpoint"].get("id"), str):
+        return "checkpoint.id must be a string (LangGraph's checkpoint id)"
+    return ""
 
 
 def seed(saver: StepSaver, config: Any, state: dict) -> Any:
