@@ -14,6 +14,8 @@ from typing import Annotated, TypedDict
 
 import pytest
 from django.core.management import call_command
+from django.urls import reverse
+from django.utils.html import escape
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
@@ -21,6 +23,7 @@ from langgraph.types import Command, interrupt
 from dashboard.runinfo import trace_of
 from durability.langgraph import DurableSaver
 from durability.models import Run
+from tests.dashboard_helpers import as_viewer, viewer  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -57,7 +60,7 @@ def _run_of(saver: DurableSaver, thread: str) -> Run:
     return Run.objects.get(pk=run.pk)
 
 
-def test_parallel_interrupts_are_all_named_and_answered_each_by_its_id():
+def test_parallel_interrupts_are_all_named_and_answered_each_by_its_id(as_viewer):  # noqa: F811
     thread = f"fan-{uuid.uuid4().hex[:8]}"
     config = {"configurable": {"thread_id": thread}}
     saver = DurableSaver(graph="fan-out")
@@ -81,6 +84,15 @@ def test_parallel_interrupts_are_all_named_and_answered_each_by_its_id():
             assert f"{i.id!r}: ..." in data["how_to_continue"], data["how_to_continue"]
         shown = command("show", str(run.id))
         assert "Answer each interrupt, by its id" in shown
+        page = as_viewer.get(reverse("dashboard:run", args=[run.id])).content.decode()
+        listed = page.split('id="graph-interrupts"')[1].split("</ul>")[0]
+        for i in asked:
+            # Each question with its node and the id its answer is given under.
+            node = "billing" if "billing" in i.value else "shipping"
+            assert f"node <strong>{node}</strong>" in listed and i.id in listed, listed
+            assert escape(i.value) in listed
+        resume = page.split('id="graph-resume">')[1].split("</pre>")[0]
+        assert all(escape(repr(i.id)) in resume for i in asked), resume
         answers = {i.id: f"yes ({i.value})" for i in asked}
         done = graph.invoke(Command(resume=answers), config)
         run.refresh_from_db()

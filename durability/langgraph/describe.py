@@ -98,6 +98,12 @@ class Waiting:
         return continue_code(self.thread, interrupted=bool(self.interrupts), ids=self.ids)
 
     @property
+    def asked(self) -> list[tuple[str, str, str]]:
+        """Each interrupt waiting: (node, its value as JSON, its id or "")."""
+        ids = self.interrupt_ids or [""] * len(self.interrupts)
+        return [(node, value, i) for (node, value), i in zip(self.interrupts, ids, strict=False)]
+
+    @property
     def ids(self) -> list[str]:
         """The interrupts' ids when each needs its own answer (more than one waits)."""
         return self.interrupt_ids if len(self.interrupt_ids) > 1 else []
