@@ -8,6 +8,7 @@ import orjson
 
 from durability import approvals as approval_specs
 from durability import roles
+from durability.langgraph import cli as langgraph
 from durability.models import Approval, ApprovalStatus, Checkpoint, Message, Run, RunStatus
 from durability.redact import redact
 
@@ -70,6 +71,7 @@ def run_detail(r: Run) -> dict[str, Any]:
         },
         "children": [str(c) for c in children[:1000]],
         "pending_approvals": list(pending),
+        "langgraph": langgraph.as_json(r),  # what ``durability show --json`` says
     }
 
 

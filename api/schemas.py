@@ -67,11 +67,59 @@ class RunOut(Schema):
     trace_id: str | None
 
 
+class GraphInterruptOut(Schema):
+    node: str
+    value: JSON = None
+    id: str | None = Field(None, description="the key of its answer: Command(resume={id: ...})")
+
+
+class GraphErrorOut(Schema):
+    node: str
+    error: str
+
+
+class GraphTaskOut(Schema):
+    node: str
+    wrote: list[str] = Field(..., description="the channels the task wrote")
+    routes: list[str] = Field(..., description="the nodes it routed to")
+    error: str | None
+    interrupts: list[JSON]
+    answers: list[JSON]
+
+
+class GraphSuperstepOut(Schema):
+    seq: int = Field(..., description="the run's checkpoint number")
+    title: str
+    source: str = Field(..., description="LangGraph's: input, loop, update, fork")
+    step: JSON = None
+    checkpoint_id: str = Field(..., description="LangGraph's checkpoint id")
+    tasks: list[GraphTaskOut] = Field(..., description="the tasks that made this checkpoint")
+
+
+class GraphOut(Schema):
+    """A LangGraph graph executed in its own process (DurableSaver): no worker executes it,
+    so resume, cancel, rollback, fork, decide, resolve and send are refused (DUR120)."""
+
+    executed_by: str
+    thread_id: str | None
+    checkpoint_ns: str | None
+    next: list[str] = Field(..., description="the nodes its latest checkpoint runs next")
+    interrupts: list[GraphInterruptOut] = Field(..., description="the interrupts waiting")
+    errors: list[GraphErrorOut]
+    how_to_continue: str | None = Field(
+        None, description="the call, in the graph's own process, that continues it"
+    )
+    supersteps: list[GraphSuperstepOut] = Field(..., description="the latest, oldest first")
+
+
 class RunDetailOut(RunOut):
     input: JSON
     lease: LeaseOut
     children: list[str]
     pending_approvals: list[int]
+    langgraph: GraphOut | None = Field(
+        None, description="set for a LangGraph graph executed in its own process, else null"
+    )
 
 
 class RunPage(Schema):

@@ -91,8 +91,10 @@ def test_the_example_runs_in_its_own_process_and_its_run_says_where_it_is():
         {
             "node": "tools",
             "value": {"tool": "refund", "args": data["interrupts"][0]["value"]["args"]},
+            "id": data["interrupts"][0]["id"],
         }
     ]
+    assert len(data["interrupts"][0]["id"]) >= 16  # LangGraph's interrupt id
     assert "Command(resume=" in data["how_to_continue"]
     step1 = next(s for s in data["supersteps"] if s["title"] == "superstep 1")
     assert step1["tasks"] == [
@@ -176,6 +178,13 @@ def test_the_api_refuses_them_too_with_the_same_coded_error(live_server):
     assert snapshot(run) == before
     shown = ops.get(f"/runs/{run.id}").json()
     assert shown["status"] == "waiting", shown
+    # What ``show --json`` says of the graph, for scripts: its thread, what it waits for
+    # and the call that answers it.
+    assert shown["langgraph"] == json.loads(command("show", str(run.id), "--json"))["langgraph"]
+    assert shown["langgraph"]["interrupts"][0]["node"] == "tools"
+    assert "Command(resume=" in shown["langgraph"]["how_to_continue"]
+    native = operations.start("research", {"question": "What is a fencing token?"}, by="ann")
+    assert ops.get(f"/runs/{native.id}").json()["langgraph"] is None
 
 
 def test_a_subgraph_interrupted_waits_in_its_child_run_and_goes_on_with_its_thread():

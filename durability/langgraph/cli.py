@@ -47,7 +47,9 @@ def as_json(run: Run) -> dict[str, Any] | None:
         "thread_id": thread.thread_id if thread else None,
         "checkpoint_ns": thread.checkpoint_ns if thread else None,
         "next": list(waiting.next),
-        "interrupts": [{"node": n, "value": _json(v)} for n, v in waiting.interrupts],
+        "interrupts": [
+            {"node": n, "value": _json(v), "id": i or None} for n, v, i in waiting.asked
+        ],
         "errors": [{"node": n, "error": e} for n, e in waiting.errors],
         "how_to_continue": None if run.status == "succeeded" else waiting.code,
         "supersteps": [
