@@ -344,6 +344,22 @@ def test_a_graph_executed_off_the_main_thread_runs_the_same(ledger):
     assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
 
 
+@pytest.mark.parametrize("where", ["interrupt_before", "interrupt_after"])
+def test_a_graph_compiled_with_static_breakpoints_fails_the_run_naming_why(where):
+    """Each execution runs one superstep and stops: a static breakpoint would be passed by
+    silently. The run fails at its first step saying what to use instead, paying nothing."""
+    agent("lg-breakpoints", lambda: graphs.support_graph(1).compile(**{where: ["tools"]}))
+    try:
+        run = operations.start("lg-breakpoints", graphs.first_input())
+        done = drive(run.id)
+        assert done.status == RunStatus.FAILED
+        assert "compiled with interrupt_before or interrupt_after" in done.error
+        assert "interrupt() in the node" in done.error
+        assert done.head_seq == 0
+    finally:
+        registry.unregister("lg-breakpoints")
+
+
 def test_a_compiled_graph_is_registered_too():
     agent("lg-compiled", lambda: graphs.support_graph(1).compile())
     try:

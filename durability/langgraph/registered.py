@@ -143,6 +143,16 @@ class GraphAgent(Agent):
                         f"agent {self.name}: build() returned {type(built).__name__},"
                         " not a LangGraph StateGraph or compiled graph"
                     )
+                if isinstance(built, Pregel) and (
+                    built.interrupt_before_nodes or built.interrupt_after_nodes
+                ):
+                    # Each execution stops the graph after its one superstep, which would
+                    # override these silently: say so rather than run past them.
+                    raise AgentDefinitionError(
+                        f"agent {self.name}: the graph is compiled with interrupt_before or"
+                        " interrupt_after; a graph the workers execute asks a person with"
+                        " interrupt() in the node instead (it becomes an approval)"
+                    )
                 self._graph = built
         if isinstance(self._graph, StateGraph):
             return self._graph.compile(checkpointer=checkpointer)
