@@ -181,3 +181,28 @@ def test_a_node_that_raised_fails_the_run_until_the_graph_goes_on(users):
     saver.close()
     run.refresh_from_db()
     assert (run.status, run.error, run.error_code) == ("succeeded", "", "")
+
+
+def test_parallel_interrupts_are_listed_each_with_its_node_and_id(web):
+    from tests.test_langgraph_interrupts import fan_out
+
+    saver = DurableSaver(graph="fan-out")
+    try:
+        graph = fan_out().compile(checkpointer=saver)
+        config = {"configurable": {"thread_id": "fan-page"}}
+        asked = graph.invoke({"answers": []}, config)["__interrupt__"]
+        run = Run.objects.get(pk=saver.run_of("fan-page").pk)
+    finally:
+        saver.close()
+    page = web.sign_in("olive")
+    page.goto(f"{web.base}/runs/{run.id}/")
+    listed = page.locator("#graph-interrupts li")
+    expect(listed).to_have_count(2)
+    for i in asked:
+        node = "billing" if "billing" in i.value else "shipping"
+        item = listed.filter(has_text=f"node {node} asks")
+        expect(item).to_contain_text(i.id)
+        expect(item).to_contain_text(i.value)
+    resume = page.locator("#graph-resume")
+    for i in asked:
+        expect(resume).to_contain_text(f"{i.id!r}: ...")
