@@ -109,8 +109,11 @@ WITH RECURSIVE t AS (
     SELECT h.id, h.run_id, r.head_seq FROM {thread} h JOIN {run} r ON r.id = h.run_id
      WHERE h.thread_id = %(thread)s AND h.checkpoint_ns = %(ns)s
 ), l AS (
-    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s JOIN t ON s.thread_id = t.id
-     {which}
+    -- Within the thread's own entries of the index (thread, LangGraph id), whatever the
+    -- plan: a join could walk the index across other threads' checkpoints.
+    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM t CROSS JOIN LATERAL (
+           SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s
+            WHERE s.thread_id = t.id {which} LIMIT 1) s
 ), chain(id, parent_id, depth, state_hash, stop) AS (
     SELECT c.id, c.parent_id, 0, c.state_hash,
            c.id = %(have)s
@@ -151,14 +154,11 @@ SELECT path.id, path.state_hash, path.text, path.digest, head.*
   FROM path LEFT JOIN head ON path.depth = 0
  ORDER BY path.depth DESC
 """
-# The order of the unique index (thread, LangGraph id), so that the latest is its last entry
-# rather than the top of a sort of the whole thread.
-_LATEST = "ORDER BY s.thread_id DESC, s.lg_id DESC LIMIT 1"
 # By whether one checkpoint is named (else the latest): two statements, so that each one's
 # plan, made once per session (``PostgresLangGraph.own_session``), fits every call of it.
 READ = {
     by_id: _READ.format(
-        which="WHERE s.lg_id = %(lg)s" if by_id else _LATEST,
+        which="AND s.lg_id = %(lg)s" if by_id else "ORDER BY s.lg_id DESC",
         thread=Thread._meta.db_table,
         run=Run._meta.db_table,
         saved=SavedCheckpoint._meta.db_table,
