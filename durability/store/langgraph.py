@@ -15,6 +15,7 @@ from typing import Any, cast
 from django.db import transaction
 
 from durability import canonical
+from durability.conf import conf
 from durability.langgraph.models import PendingWrite, SavedCheckpoint
 from durability.models import (
     Checkpoint,
@@ -119,7 +120,10 @@ class PostgresLangGraph(LangGraphStore):
         # once, at their first call, rather than at each of a session's first five calls
         # as PostgreSQL does by default: a saver made for one ``get_tuple`` would plan its
         # recursive read every time. Every statement names its rows by key, so the plan
-        # made without the values is the one the values would get.
+        # made without the values is the one the values would get. Without prepared
+        # statements (a pooler in transaction mode) the session is left as it is.
+        if not conf.PREPARED_STATEMENTS:
+            return
         with self.conn.cursor() as cur:
             cur.execute("SET plan_cache_mode = force_generic_plan")
 
