@@ -15,7 +15,7 @@ The benchmark (bench/langgraph_saver.py: 200 supersteps each appending a 1 KB me
 durability "sync", against LangGraph's PostgresSaver on the same database, the two taking
 turns) meets three of its four targets: bytes stored (0.06x, target 0.1x), ``list``
 (about 0.1x, target 1x) and ``get_tuple`` of the latest checkpoint on a fresh saver
-(0.87x to 0.95x over three runs, target 1x; 0.44x to 0.57x on one saver called again).
+(0.80x to 0.95x over five runs, target 1x; 0.44x to 0.57x on one saver called again).
 
 - ``get_tuple`` on a fresh saver reads, in one prepared statement, the thread, the
   checkpoint, its snapshot and the patches after it (at most half a state of them) and its
@@ -24,15 +24,15 @@ turns) meets three of its four targets: bytes stored (0.06x, target 0.1x), ``lis
   0.7 ms in the constructors; PostgresSaver's decoding builds them the same way, from
   every field). In CPU time the two are about even (2.5 to 3 ms each): the hash checks
   here cost about what building the messages from fewer fields saves.
-- Overhead per superstep: 0.39x to 0.50x PostgresSaver's over three runs (1.9 to 2.2
-  against 4.5 to 4.9 ms), target 0.33x. A superstep here costs LangGraph's own
+- Overhead per superstep: 0.39x to 0.50x PostgresSaver's over five runs (1.9 to 2.2
+  against 4.4 to 4.9 ms), target 0.33x. A superstep here costs LangGraph's own
   checkpointing work (0.65 to 0.8 ms with its InMemorySaver, the same graph), the saver's
   (encoding the changed values, the diff, two canonical dumps of the state to prove the
   patch, the hashes: about 0.3 ms for a 230 KB state) and one statement that commits the
   checkpoint (about 0.85 ms inside a run, flush included, beside the writes' statement and
   LangGraph's threads on two cores). The target allows 1.5 to 1.6 ms for all of it;
   LangGraph's share and one flushed round trip already take about that. Without the flush
-  (``durability="relaxed"``) it is 0.32x to 0.38x. The writes' statement, though on its own
+  (``durability="relaxed"``) it is 0.32x to 0.41x. The writes' statement, though on its own
   connection, costs the superstep about 0.3 to 0.5 ms (two cores); folding a superstep's
   writes into the next checkpoint's statement would save it, but writes whose checkpoint
   never comes (a ``Send`` stored by ``update_state``) would then be lost by a crash.
