@@ -7,7 +7,8 @@ flush and so is shown without a target), bytes stored for the thread after the r
 row of it, as ``pg_column_size``), ``get_tuple`` of the latest checkpoint (a fresh saver
 each time, so nothing is served from memory; also one saver called again and again, as
 PostgresSaver's figure is taken, shown without a target) and ``list`` of every
-checkpoint. Medians of repeats.
+checkpoint. Medians of repeats; the savers (and the graph without one) take turns, so
+that a busy spell of a shared machine weighs on each of them alike.
 """
 
 from __future__ import annotations
@@ -63,13 +64,10 @@ def _invoke(graph, thread: str) -> float:
     return time.perf_counter() - started
 
 
-def _timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return median(times)
+def _time(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 _PG_BYTES = """
@@ -99,7 +97,6 @@ SELECT (SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM durability_run t WHERE
 
 
 def run(b: Bench) -> None:
-    from django.db import connection
     from langgraph.checkpoint.postgres import PostgresSaver
 
     from durability.langgraph import DurableSaver
@@ -108,54 +105,75 @@ def run(b: Bench) -> None:
     repeats = 3 if b.quick else 5
     print(f"\n== LangGraph: PostgresSaver against DurableSaver, {steps} supersteps of 1 KB")
     builder = _graph(steps)
-    bare = median([_invoke(builder.compile(), uuid.uuid4().hex) for _ in range(repeats)])
     with PostgresSaver.from_conn_string(b.db_url) as pg:
         pg.setup()
-        theirs = builder.compile(checkpointer=pg)
-        pg_threads = [uuid.uuid4().hex for _ in range(repeats)]
-        pg_time = median([_invoke(theirs, t) for t in pg_threads])
-        with connection.cursor() as cur:
-            cur.execute(_PG_BYTES, {"t": pg_threads[-1]})
-            pg_bytes = int(cur.fetchone()[0])
-        cfg = {"configurable": {"thread_id": pg_threads[-1]}}
-        pg_get = _timed(lambda: pg.get_tuple(cfg), 20)
-        pg_list = _timed(lambda: list(pg.list(cfg)), repeats)
-    saver = DurableSaver(graph="bench-langgraph")
-    ours = builder.compile(checkpointer=saver)
-    our_threads = [uuid.uuid4().hex for _ in range(repeats)]
-    our_time = median([_invoke(ours, t) for t in our_threads])
-    saver.close()
-    relaxed = DurableSaver(graph="bench-langgraph", durability="relaxed")
-    loose = builder.compile(checkpointer=relaxed)
-    relaxed_time = median([_invoke(loose, uuid.uuid4().hex) for _ in range(repeats)])
-    relaxed.close()
-    run_ = DurableSaver().run_of(our_threads[-1])
-    with connection.cursor() as cur:
-        cur.execute(_OUR_BYTES, {"r": run_.id})
-        our_bytes = int(cur.fetchone()[0])
-    cfg = {"configurable": {"thread_id": our_threads[-1]}}
-    gets = []
-    for _ in range(20):
-        fresh = DurableSaver()
-        fresh.get_tuple({"configurable": {"thread_id": "warm-up"}})
-        gets.append(_timed(lambda s=fresh: s.get_tuple(cfg), 1))
-        fresh.close()
-    our_get = median(gets)
-    lister = DurableSaver()
-    our_list = _timed(lambda: list(lister.list(cfg)), repeats)
-    # As PostgresSaver's figure is taken: one saver, called again and again (after its
-    # first call it holds the latest state, as a saver that wrote it does).
-    our_warm = _timed(lambda: lister.get_tuple(cfg), 20)
-    lister.close()
+        strict = DurableSaver(graph="bench-langgraph")
+        relaxed = DurableSaver(graph="bench-langgraph", durability="relaxed")
+        graphs = {
+            "bare": builder.compile(),
+            "pg": builder.compile(checkpointer=pg),
+            "ours": builder.compile(checkpointer=strict),
+            "relaxed": builder.compile(checkpointer=relaxed),
+        }
+        # Round after round, each graph once per round, so that a busy spell of the machine
+        # weighs on all of them alike.
+        runs: dict[str, list[tuple[str, float]]] = {name: [] for name in graphs}
+        for _ in range(repeats):
+            for name, graph in graphs.items():
+                thread = uuid.uuid4().hex
+                runs[name].append((thread, _invoke(graph, thread)))
+        strict.close()
+        relaxed.close()
+        times = {name: median([t for _, t in done]) for name, done in runs.items()}
+        stored = _bytes(pg, runs["pg"][-1][0], runs["ours"][-1][0])
+        gets, lists = _reads(pg, runs["pg"][-1][0], runs["ours"][-1][0], repeats)
     _report(
         b,
         steps,
-        bare,
-        (pg_time, our_time, relaxed_time),
-        (pg_bytes, our_bytes),
-        (pg_get, our_get, our_warm),
-        (pg_list, our_list),
+        times["bare"],
+        (times["pg"], times["ours"], times["relaxed"]),
+        stored,
+        gets,
+        lists,
     )
+
+
+def _bytes(pg, pg_thread: str, our_thread: str) -> tuple[int, int]:
+    from django.db import connection
+
+    from durability.langgraph import DurableSaver
+
+    with connection.cursor() as cur:
+        cur.execute(_PG_BYTES, {"t": pg_thread})
+        pg_bytes = int(cur.fetchone()[0])
+        cur.execute(_OUR_BYTES, {"r": DurableSaver().run_of(our_thread).id})
+        return pg_bytes, int(cur.fetchone()[0])
+
+
+def _reads(pg, pg_thread: str, our_thread: str, repeats: int):
+    """``get_tuple`` (PostgresSaver's on one saver; ours on a fresh saver each time, and on
+    one saver again and again) and ``list``, the two savers taking turns."""
+    from durability.langgraph import DurableSaver
+
+    pg_cfg = {"configurable": {"thread_id": pg_thread}}
+    cfg = {"configurable": {"thread_id": our_thread}}
+    lister = DurableSaver()
+    lister.get_tuple(cfg)  # it now holds the latest state, as a saver that wrote it does
+    pg_gets, our_gets, our_warm = [], [], []
+    for _ in range(20):
+        pg_gets.append(_time(lambda: pg.get_tuple(pg_cfg)))
+        fresh = DurableSaver()
+        fresh.get_tuple({"configurable": {"thread_id": "warm-up"}})
+        our_gets.append(_time(lambda s=fresh: s.get_tuple(cfg)))
+        fresh.close()
+        our_warm.append(_time(lambda: lister.get_tuple(cfg)))
+    pg_lists, our_lists = [], []
+    for _ in range(repeats):
+        pg_lists.append(_time(lambda: list(pg.list(pg_cfg))))
+        our_lists.append(_time(lambda: list(lister.list(cfg))))
+    lister.close()
+    gets = (median(pg_gets), median(our_gets), median(our_warm))
+    return gets, (median(pg_lists), median(our_lists))
 
 
 def _report(b: Bench, steps: int, bare: float, times, stored, gets, lists) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
@@ -19,6 +19,7 @@ from durability import operations
 from durability.langgraph import DurableSaver
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run
+from durability.store import langgraph as lg_store
 from tests import langgraph_graphs as graphs
 
 # The whole contract runs on the embedded default too (the smoke subset), as the saver has a
@@ -339,3 +340,29 @@ def test_a_lost_connection_is_made_again():
     theirs.invoke(graphs.first_input(), other)
     assert graph.invoke(more, cfg) == theirs.invoke(more, other)
     assert history(graph, cfg) == history(theirs, other)
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_statements_prepared_or_not(settings, prepared):
+    """With prepared statements (the default) the saver's own sessions plan its statements
+    once, generically; without (a pooler in transaction mode) they are left as they are.
+    Either way the saver stores and reads the same checkpoints."""
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    settings.DURABILITY_PREPARED_STATEMENTS = prepared
+    with connection.cursor() as cur:
+        cur.execute("SHOW plan_cache_mode")
+        default = cur.fetchone()[0]
+    db = connections.create_connection(DEFAULT_DB_ALIAS)
+    try:
+        lg_store.for_connection(db).own_session()
+        with db.cursor() as cur:
+            cur.execute("SHOW plan_cache_mode")
+            assert cur.fetchone()[0] == ("force_generic_plan" if prepared else default)
+    finally:
+        db.close()
+    ours, theirs = both(graphs.tool_loop())
+    a, b = config(), config()
+    assert ours.invoke(graphs.first_input(), a) == theirs.invoke(graphs.first_input(), b)
+    fresh = graphs.tool_loop().compile(checkpointer=DurableSaver())
+    assert history(fresh, a) == history(theirs, b)

@@ -1,12 +1,16 @@
-"""Channel values as JSON: what JSON can carry stays JSON, the rest goes through LangGraph's
-serializer, one leaf at a time.
+"""Channel values as JSON: what JSON can carry stays JSON, LangChain's messages are stored as
+their fields, and the rest goes through LangGraph's serializer, one leaf at a time.
 
 Plain values (strings, numbers, lists, objects with string keys) are stored as they are, so
-the dashboard shows them and a patch on its parent names the paths that changed. Anything
-else (a LangChain message, a dataclass, a tuple, bytes) becomes ``{"__lg__": type, "b64":
-serialized}`` with the saver's ``serde``. Lists and objects are walked, so a list of
-messages is a JSON list of such leaves: appending one message changes one element, and the
-checkpoint's patch carries that one message, not the whole list.
+the dashboard shows them and a patch on its parent names the paths that changed. A LangChain
+message (``langchain_core.messages``) whose fields are plain JSON becomes ``{"__lg__":
+"message", "class": "AIMessage", "fields": {...}}``: its ``model_dump`` without the fields
+left at their defaults, read back with the class's own constructor, as LangGraph's
+serializer reads the messages it stores. Anything else (a message with bytes among its
+fields, a dataclass, a tuple, bytes) becomes ``{"__lg__": type, "b64": serialized}`` with
+the saver's ``serde``. Lists and objects are walked, so a list of messages is a JSON list of
+such leaves: appending one message changes one element, and the checkpoint's patch carries
+that one message, not the whole list.
 """
 
 from __future__ import annotations
@@ -15,25 +19,41 @@ import base64
 import math
 from typing import Any
 
+import orjson
+
 TAG = "__lg__"
+MESSAGE = "message"
 _MAX_INT = 2**63
 
 
+def _message_classes() -> dict[str, type]:
+    """LangChain's message classes by name; none where langchain-core is missing."""
+    try:
+        import langchain_core.messages as messages
+    except ImportError:  # langchain-core comes with langgraph
+        return {}
+    found = {}
+    for name in messages.__all__:
+        cls = getattr(messages, name, None)
+        if isinstance(cls, type) and issubclass(cls, messages.BaseMessage):
+            found[name] = cls
+    return found
+
+
+_CLASSES = _message_classes()
+_NAMES = {cls: name for name, cls in _CLASSES.items()}
+
+
 class Encoder:
-    """Encodes values with ``serde``. Messages seen in the previous call are not serialized
+    """Encodes values with ``serde``. Messages seen in the previous call are not encoded
     again: LangGraph's message reducer replaces a message by id instead of changing it in
-    place, so one kept from step to step is the same object with the same bytes."""
+    place, so one kept from step to step is the same object with the same fields."""
 
     def __init__(self, serde: Any) -> None:
         self.serde = serde
         self._previous: dict[int, tuple[Any, Any]] = {}
         self._current: dict[int, tuple[Any, Any]] = {}
-        try:
-            from langchain_core.messages import BaseMessage
-
-            self._kept: tuple[type, ...] = (BaseMessage,)
-        except ImportError:  # langchain-core comes with langgraph; without it, no reuse
-            self._kept = ()
+        self._leaves = 0  # serialized leaves made so far: a message's fields are plain if none
 
     def encode(self, value: Any) -> Any:
         self._current = {}
@@ -54,17 +74,26 @@ class Encoder:
             return [self._encode(item) for item in value]
         if kind is dict and TAG not in value and all(type(k) is str for k in value):
             return {key: self._encode(item) for key, item in value.items()}
-        if self._kept and isinstance(value, self._kept):
-            seen = self._previous.get(id(value))
-            if seen is not None and seen[0] is value:
-                self._current[id(value)] = seen
-                return seen[1]
-            leaf = self._leaf(value)
-            self._current[id(value)] = (value, leaf)
-            return leaf
-        return self._leaf(value)
+        name = _NAMES.get(kind)
+        if name is None:
+            return self._leaf(value)
+        seen = self._previous.get(id(value))
+        if seen is not None and seen[0] is value:
+            self._current[id(value)] = seen
+            return seen[1]
+        leaf = self._message(name, value)
+        self._current[id(value)] = (value, leaf)
+        return leaf
+
+    def _message(self, name: str, value: Any) -> Any:
+        before = self._leaves
+        fields = self._encode(value.model_dump(exclude_defaults=True))
+        if self._leaves != before:  # not plain JSON: the whole message through ``serde``
+            return self._leaf(value)
+        return {TAG: MESSAGE, "class": name, "fields": fields}
 
     def _leaf(self, value: Any) -> dict[str, str]:
+        self._leaves += 1
         kind, data = self.serde.dumps_typed(value)
         return {TAG: kind, "b64": base64.b64encode(data).decode("ascii")}
 
@@ -77,10 +106,22 @@ def decode(value: Any, serde: Any) -> Any:
         return [decode(item, serde) for item in value]
     if kind is dict:
         tag = value.get(TAG)
-        if tag is not None:
-            return serde.loads_typed((tag, base64.b64decode(value["b64"])))
-        return {key: decode(item, serde) for key, item in value.items()}
+        if tag is None:
+            return {key: decode(item, serde) for key, item in value.items()}
+        if tag == MESSAGE:
+            return _message(value)
+        return serde.loads_typed((tag, base64.b64decode(value["b64"])))
     return value
+
+
+def _message(leaf: dict) -> Any:
+    name = leaf["class"]
+    cls = _CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"a stored message names {name!r}, not a LangChain message class")
+    # The fields are plain JSON: copied by the walk, so the message shares nothing with
+    # the document (which the saver patches in place).
+    return cls(**{key: decode(item, None) for key, item in leaf["fields"].items()})
 
 
 def readable(value: Any, serde: Any) -> Any:
@@ -138,22 +179,23 @@ def json_view(obj: Any) -> Any:
 
 
 class Memo:
-    """Decodes the serialized leaves of many states of one thread once each: a message kept
-    from checkpoint to checkpoint is the same leaf in every state ``list`` rebuilds."""
+    """Decodes the leaves of many states of one thread once each: a message kept from
+    checkpoint to checkpoint is the same leaf in every state ``list`` rebuilds."""
 
     def __init__(self, serde: Any) -> None:
         self.serde = serde
-        self._seen: dict[tuple[str, str], Any] = {}
+        self._seen: dict[Any, Any] = {}
 
     def decode(self, value: Any) -> Any:
         kind = type(value)
         if kind is list:
             return [self.decode(item) for item in value]
         if kind is dict:
-            if TAG in value:
-                key = (value[TAG], value["b64"])
-                if key not in self._seen:
-                    self._seen[key] = decode(value, self.serde)
-                return self._seen[key]
-            return {key: self.decode(item) for key, item in value.items()}
+            tag = value.get(TAG)
+            if tag is None:
+                return {key: self.decode(item) for key, item in value.items()}
+            key = orjson.dumps(value) if tag == MESSAGE else (tag, value["b64"])
+            if key not in self._seen:
+                self._seen[key] = decode(value, self.serde)
+            return self._seen[key]
         return value

@@ -6,8 +6,9 @@ writes are stored against the parent (``PendingWrite``), each with its task path
 names its node. What runs next from a checkpoint is in its channel values
 (``status.next_nodes``). An interrupt is a write on the ``__interrupt__`` channel of the
 checkpoint it happened on; the answer given with ``Command(resume=...)`` a ``__resume__``
-write beside it. Reading needs no LangGraph, but for values LangGraph serialised (messages,
-interrupts): those are decoded with LangGraph's serializer where it is installed.
+write beside it. Reading needs no LangGraph, but for values LangGraph serialised
+(interrupts, messages stored by earlier versions): those are decoded with LangGraph's
+serializer where it is installed.
 """
 
 from __future__ import annotations

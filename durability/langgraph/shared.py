@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 
 from durability import checkpoints
+from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
 
 if TYPE_CHECKING:
@@ -41,10 +42,13 @@ class Shared:
         # past a dropped session; a database that is away reaches LangGraph at once as an
         # error, rather than holding the graph for DURABILITY_DB_WAIT_SECONDS.
         for again in (retry, False):
-            if self._db is None:
+            fresh = self._db is None
+            if fresh:
                 self._db = connections.create_connection(DEFAULT_DB_ALIAS)
                 self._db.inc_thread_sharing()
             try:
+                if fresh:
+                    lg_store.for_connection(self._db).own_session()
                 return fn(self._db)
             except DatabaseError:
                 if self._db.connection is not None and self._db.is_usable():

@@ -10,11 +10,12 @@ one transaction on the saver's own thread, and the saver reads through the ORM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django.db import transaction
 
 from durability import canonical
+from durability.conf import conf
 from durability.langgraph.models import PendingWrite, SavedCheckpoint
 from durability.models import (
     Checkpoint,
@@ -28,6 +29,7 @@ from durability.models import (
 from durability.store import for_connection as store_for
 from durability.store import lg_sql
 from durability.store.lg_sql import AGENT_VERSION, SCHEMA_VERSION
+from durability.store.postgres import PostgresStore
 
 
 class LangGraphStore:
@@ -40,6 +42,9 @@ class LangGraphStore:
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+
+    def own_session(self) -> None:
+        """Set up a connection the saver owns for its statements, once it is connected."""
 
     def insert_checkpoint(self, row: dict[str, Any], relaxed: bool) -> int | None:
         """Write one checkpoint numbered ``row["head_seq"] + 1`` (its patch, its LangGraph
@@ -106,12 +111,27 @@ class LangGraphStore:
 class PostgresLangGraph(LangGraphStore):
     one_statement = True
 
+    def _prepared(self) -> PostgresStore:
+        """The store's statements prepared once per session (``PREPARED_STATEMENTS``)."""
+        return cast(PostgresStore, store_for(self.conn))
+
+    def own_session(self) -> None:
+        # The saver's statements are prepared (the store's ``fetch_*_prepared``); planned
+        # once, at their first call, rather than at each of a session's first five calls
+        # as PostgreSQL does by default: a saver made for one ``get_tuple`` would plan its
+        # recursive read every time. Every statement names its rows by key, so the plan
+        # made without the values is the one the values would get. Without prepared
+        # statements (a pooler in transaction mode) the session is left as it is.
+        if not conf.PREPARED_STATEMENTS:
+            return
+        with self.conn.cursor() as cur:
+            cur.execute("SET plan_cache_mode = force_generic_plan")
+
     def insert_checkpoint(self, row: dict[str, Any], relaxed: bool) -> int | None:
         if self.conn.in_atomic_block:
             return super().insert_checkpoint(row, relaxed)
-        with self.conn.cursor() as cur:
-            cur.execute(lg_sql.COMMIT[(row["snapshot"] is not None, relaxed)], row)
-            found = cur.fetchone()
+        sql = lg_sql.COMMIT[(row["snapshot"] is not None, relaxed)]
+        found = self._prepared().fetch_one_prepared(sql, row)
         return int(found[0]) if found else None
 
     def head_seq(self, run_id: Any) -> int:
@@ -135,25 +155,22 @@ class PostgresLangGraph(LangGraphStore):
             return
         # Its own implicit transaction, not flushed before answering: the checkpoint after
         # the writes is, and flushing it flushes them.
-        with self.conn.cursor() as cur:
-            cur.execute(
-                lg_sql.WRITES[replace],
-                {
-                    "thread": thread,
-                    "checkpoint": checkpoint_id,
-                    "task": task_id,
-                    "path": task_path,
-                    "idx": [r[0] for r in rows],
-                    "channel": [r[1] for r in rows],
-                    "value": [r[2].decode() for r in rows],
-                },
-            )
+        self._prepared().fetch_all_prepared(
+            lg_sql.WRITES[replace],
+            {
+                "thread": thread,
+                "checkpoint": checkpoint_id,
+                "task": task_id,
+                "path": task_path,
+                "idx": [r[0] for r in rows],
+                "channel": [r[1] for r in rows],
+                "value": [r[2].decode() for r in rows],
+            },
+        )
 
     def read(self, thread_id: str, ns: str, lg_id: str, have: int) -> list[tuple]:
         params = {"thread": thread_id, "ns": ns, "lg": lg_id, "have": have}
-        with self.conn.cursor() as cur:
-            cur.execute(lg_sql.READ, params)
-            return cur.fetchall()
+        return self._prepared().fetch_all_prepared(lg_sql.READ[bool(lg_id)], params)
 
     def start(self, run_id: Any) -> tuple[int, str, str, int]:
         with self.conn.cursor() as cur:

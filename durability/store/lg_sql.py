@@ -4,7 +4,8 @@ runs them): each one round trip.
 A checkpoint is one statement, data-modifying CTEs chained on the UPDATE of the run that
 allocates its number; a task's pending writes one ``INSERT ... ON CONFLICT`` over arrays; a
 checkpoint with everything its state is rebuilt from (and its pending writes) one recursive
-query.
+query. Each is prepared once per session of the saver's own connections, with a generic
+plan (``PostgresLangGraph.own_session``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ SELECT %(thread)s::bigint, %(checkpoint)s::text, %(task)s::text, u.idx, u.channe
        AS u(idx, channel, value)
  WHERE cfg.v IS NOT NULL
 ON CONFLICT (thread_id, checkpoint_id, task_id, idx) DO {conflict}
+RETURNING idx
 """
 # By whether a write already stored is replaced.
 WRITES = {
@@ -107,19 +109,25 @@ WITH RECURSIVE t AS (
     SELECT h.id, h.run_id, r.head_seq FROM {thread} h JOIN {run} r ON r.id = h.run_id
      WHERE h.thread_id = %(thread)s AND h.checkpoint_ns = %(ns)s
 ), l AS (
-    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s JOIN t ON s.thread_id = t.id
-     WHERE %(lg)s = '' OR s.lg_id = %(lg)s
-     ORDER BY s.lg_id DESC LIMIT 1
+    -- Within the thread's own entries of the index (thread, LangGraph id), whatever the
+    -- plan: a join could walk the index across other threads' checkpoints.
+    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM t CROSS JOIN LATERAL (
+           SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id FROM {saved} s
+            WHERE s.thread_id = t.id {which} LIMIT 1) s
 ), chain(id, parent_id, depth, state_hash, stop) AS (
     SELECT c.id, c.parent_id, 0, c.state_hash,
            c.id = %(have)s
            OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = c.id) IS NOT NULL
       FROM {checkpoint} c JOIN l ON c.id = l.checkpoint_id
     UNION ALL
+    -- One parent per row, by its key: never a scan of the table, whatever the planner
+    -- believes of its size (a join here became one scan per step on a young database).
     SELECT p.id, p.parent_id, chain.depth + 1, p.state_hash,
            p.id = %(have)s
            OR (SELECT true FROM {snapshot} s WHERE s.checkpoint_id = p.id) IS NOT NULL
-      FROM {checkpoint} p JOIN chain ON p.id = chain.parent_id
+      FROM chain CROSS JOIN LATERAL (
+           SELECT p.id, p.parent_id, p.state_hash FROM {checkpoint} p
+            WHERE p.id = chain.parent_id LIMIT 1) p
      WHERE NOT chain.stop
 ), path AS (
     SELECT chain.id, chain.depth, chain.state_hash,
@@ -146,15 +154,21 @@ SELECT path.id, path.state_hash, path.text, path.digest, head.*
   FROM path LEFT JOIN head ON path.depth = 0
  ORDER BY path.depth DESC
 """
-READ = _READ.format(
-    thread=Thread._meta.db_table,
-    run=Run._meta.db_table,
-    saved=SavedCheckpoint._meta.db_table,
-    checkpoint=Checkpoint._meta.db_table,
-    snapshot=Snapshot._meta.db_table,
-    mutation=Mutation._meta.db_table,
-    writes=PendingWrite._meta.db_table,
-)
+# By whether one checkpoint is named (else the latest): two statements, so that each one's
+# plan, made once per session (``PostgresLangGraph.own_session``), fits every call of it.
+READ = {
+    by_id: _READ.format(
+        which="AND s.lg_id = %(lg)s" if by_id else "ORDER BY s.lg_id DESC",
+        thread=Thread._meta.db_table,
+        run=Run._meta.db_table,
+        saved=SavedCheckpoint._meta.db_table,
+        checkpoint=Checkpoint._meta.db_table,
+        snapshot=Snapshot._meta.db_table,
+        mutation=Mutation._meta.db_table,
+        writes=PendingWrite._meta.db_table,
+    )
+    for by_id in (False, True)
+}
 
 START = f"""
 SELECT id, state_hash, chain_hash, size FROM {Checkpoint._meta.db_table}
