@@ -274,6 +274,12 @@ class Agent:
             if problem:
                 raise SchemaViolation(f"state of agent {self.name} breaks an invariant: {problem}")
 
+    def validate_edit(self, state: Any) -> None:
+        """An operator's edited state (a fork's): the checks every step's state passes. An
+        agent whose state holds more than its schema says (a graph's encoded values) checks
+        here, once per edit, what would be too costly at every step."""
+        self.validate(state)
+
     def upgrade(self, state: dict, from_version: int) -> dict:
         """Bring a state written under an older schema version up to this one."""
         if from_version > self.schema_version:

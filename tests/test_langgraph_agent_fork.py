@@ -74,3 +74,24 @@ def test_an_edit_langgraph_could_not_load_is_refused_creating_nothing(ledger, ed
         operations.fork(run.id, FORKED_AT, state=state, by="ops")
     assert said in str(refused.value)
     assert Run.objects.count() == before
+
+
+def test_an_edited_message_that_is_no_longer_a_message_is_refused_creating_nothing(ledger):  # noqa: F811
+    """Messages are stored as their fields, which an operator may edit; an edit the
+    message's class refuses is refused at the fork, not when a worker loads it."""
+    run = operations.start("lg-support", graphs.first_input())
+    drive(run.id)
+    state = copy.deepcopy(operations.state_at(run.id, FORKED_AT))
+    asked = next(m for m in state["values"]["messages"] if m.get("class") == "AIMessage")
+    asked["fields"]["tool_calls"] = "search everything"
+    before = Run.objects.count()
+    with pytest.raises(SchemaViolation, match="not a graph checkpoint LangGraph can load") as no:
+        operations.fork(run.id, FORKED_AT, state=state, by="ops")
+    index = state["values"]["messages"].index(asked)
+    assert f"values.messages[{index}] (AIMessage): " in str(no.value), str(no.value)
+    assert Run.objects.count() == before
+    # The same message edited within its schema is a fork like any other.
+    asked["fields"]["tool_calls"] = []
+    asked["fields"]["content"] = "no search needed"
+    fork = operations.fork(run.id, FORKED_AT, state=state, by="ops")
+    assert Run.objects.count() == before + 1 and fork.status == RunStatus.QUEUED

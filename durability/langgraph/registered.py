@@ -181,6 +181,25 @@ class GraphAgent(Agent):
                 f"state of agent {self.name} is not a graph checkpoint: {problem}"
             )
 
+    def validate_edit(self, state: Any) -> None:
+        """An edited checkpoint must also load: every value decodes (a message's edited
+        fields make a valid message)."""
+        self.validate(state)
+        if "checkpoint" not in state:
+            return
+        saver = StepSaver()
+        where, problem = undecodable(state["values"], saver.serde)
+        if not problem:
+            try:
+                seed(saver, {"configurable": {"thread_id": "edit", "checkpoint_ns": ""}}, state)
+            except Exception as exc:  # noqa: BLE001 - whatever LangGraph refuses
+                where, problem = "the checkpoint", _said(exc)
+        if problem:
+            raise SchemaViolation(
+                f"state of agent {self.name} is not a graph checkpoint LangGraph can load:"
+                f" {where}: {problem}"
+            )
+
     def _superstep(self, state: dict, ctx: Any) -> str:
         saver = StepSaver()
         graph = self.graph(saver)
@@ -272,6 +291,26 @@ def document_problem(state: dict) -> str:
     if not isinstance(state["checkpoint"].get("id"), str):
         return "checkpoint.id must be a string (LangGraph's checkpoint id)"
     return ""
+
+
+def undecodable(values: dict, serde: Any) -> tuple[str, str]:
+    """The first channel value (or list item) that does not decode, and why ("" if none)."""
+    for channel, value in values.items():
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            try:
+                codec.decode(item, serde)
+            except Exception as exc:  # noqa: BLE001 - a message's class refusing its fields
+                path = f"values.{channel}" + ("" if index is None else f"[{index}]")
+                kind = item.get("class") if isinstance(item, dict) else None
+                return f"{path}{f' ({kind})' if kind else ''}", _said(exc)
+    return "", ""
+
+
+def _said(exc: Exception) -> str:
+    """An exception in a line or two: pydantic's name the field on their second line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' / '.join(lines[:3])}"[:400]
 
 
 def seed(saver: StepSaver, config: Any, state: dict) -> Any:

@@ -34,7 +34,7 @@ def _fork_input(ref: Any, from_seq: int, state: Any) -> tuple[Run, Checkpoint, b
     state = restore_placeholders(state, original)
     state, _ = redact(state)
     if target.schema_version == definition.schema_version:
-        definition.validate(state)
+        definition.validate_edit(state)
     state_bytes = _encoded(state, "edited state", Engine.MAX_STATE_BYTES)
     return source, target, state_bytes, state_bytes != original_bytes
 
