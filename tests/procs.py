@@ -163,8 +163,15 @@ class CeleryWorker(Proc):
         argv = worker_argv(name, queues or [env["CELERY_QUEUE"]], concurrency, pool)
         super().__init__(name, argv, env)
 
-    def start(self) -> CeleryWorker:
+    def start(self, wait: bool = True) -> CeleryWorker:
+        """Start the worker and, unless told not to (workers started together, each
+        waited for after), wait until it consumes."""
         super().start()
+        if wait:
+            self.ready()
+        return self
+
+    def ready(self) -> CeleryWorker:
         self.wait_for_log(" ready.")
         return self
 

@@ -1,9 +1,19 @@
-"""``python manage.py durability ...`` as an operator runs it: a real process, real exit
-codes, against the test database and real workers."""
+"""``python manage.py durability ...`` as an operator runs it, against the test database and
+real workers: its exit codes, its output, its one-line errors.
+
+Each exit code (0, 2, 3, 4, 6) and the settings read from the environment (an unreachable
+database or broker) are checked through a real process (``cli_process``). The other
+commands run in this process (``cli``), through the same entry point ``manage.py`` calls
+(the command's ``run_from_argv``: argument parsing, the coded error and the exit status),
+with its output, the log's and the process's own stdout and stderr captured: a Django
+start-up of well over a second per command would otherwise be most of this module's time."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -25,9 +35,10 @@ def workers(cluster):
     return cluster
 
 
-def cli(
+def cli_process(
     workers, *args: str, stdin: str | None = None, env: dict | None = None, by: bool = True
 ) -> subprocess.CompletedProcess:
+    """``python manage.py durability ...`` in a process of its own."""
     return subprocess.run(
         [sys.executable, "manage.py", "durability", *(["--by", "tester"] if by else []), *args],
         cwd=ROOT,
@@ -37,6 +48,33 @@ def cli(
         timeout=120,
         input=stdin,
     )
+
+
+def cli(
+    workers, *args: str, stdin: str | None = None, by: bool = True
+) -> subprocess.CompletedProcess:
+    """The same command in this process, through what ``manage.py`` calls, with the module's
+    workers behind it (the runs' queue is theirs: the ``cluster`` fixture). An exception that
+    would have been a traceback fails the test with it."""
+    from durability.management.commands.durability import Command
+
+    argv = ["manage.py", "durability", *(["--by", "tester"] if by else []), *args]
+    out, err = io.StringIO(), io.StringIO()
+    log = logging.StreamHandler(err)
+    log.setLevel(logging.WARNING)
+    previous_stdin = sys.stdin
+    sys.stdin = io.TextIOWrapper(io.BytesIO((stdin or "").encode()), encoding="utf-8")
+    logging.getLogger().addHandler(log)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            Command(stdout=out, stderr=err).run_from_argv(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        logging.getLogger().removeHandler(log)
+        sys.stdin = previous_stdin
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def one_coded_line(done: subprocess.CompletedProcess, code: str) -> str:
@@ -54,11 +92,11 @@ def closed_port() -> int:
 
 
 def test_start_wait_show_verify(workers, llm):
-    done = cli(workers, "start", "test-loop", "--input", '{"n": 3}', "--wait")
+    done = cli_process(workers, "start", "test-loop", "--input", '{"n": 3}', "--wait")
     assert done.returncode == 0, done.stderr
     assert "succeeded with 4 checkpoints" in done.stdout
     run = Run.objects.get()
-    shown = cli(workers, "show", str(run.id)[:8], "--json")
+    shown = cli_process(workers, "show", str(run.id)[:8], "--json")
     data = json.loads(shown.stdout)
     assert data["status"] == "succeeded" and data["state"]["i"] == 3
     assert len(data["checkpoints"]) == 4 and data["calls"] == 3
@@ -71,13 +109,15 @@ def test_start_wait_show_verify(workers, llm):
 
 
 def test_waiting_for_approval_then_approve(workers, llm):
-    started = cli(workers, "start", "test-loop", "--input", '{"n": 2, "approve_at": 1}', "--wait")
+    started = cli_process(
+        workers, "start", "test-loop", "--input", '{"n": 2, "approve_at": 1}', "--wait"
+    )
     assert started.returncode == 4, started.stdout + started.stderr
     assert "waits for a person: approval go" in started.stderr
     run = Run.objects.get()
     approved = cli(workers, "approve", str(run.id), "go", "--comment", "looks fine")
     assert approved.returncode == 0 and "approved" in approved.stdout
-    again = cli(workers, "approve", str(run.id), "go", "--reject")
+    again = cli_process(workers, "approve", str(run.id), "go", "--reject")
     assert again.returncode == 2 and "already approved by tester" in again.stderr
     wait_until(lambda: Run.objects.get().status == RunStatus.SUCCEEDED, timeout=30)
 
@@ -147,7 +187,7 @@ def test_verify_all_reports_a_corrupted_run(workers, llm):
             " WHERE run_id = %s AND seq = 1",
             [run.pk],
         )
-    done = cli(workers, "verify")
+    done = cli_process(workers, "verify")
     assert done.returncode == 3
     assert "checkpoint #1 does not verify" in done.stdout
 
@@ -215,7 +255,7 @@ def test_with_the_database_unreachable_every_command_prints_a_coded_line(workers
         ["sweep"],
     ]
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda args: cli(workers, *args, env=down), commands))
+        results = list(pool.map(lambda args: cli_process(workers, *args, env=down), commands))
     for args, done in zip(commands, results, strict=True):
         assert done.returncode == 6, (args, done.stderr[-500:])
         err = one_coded_line(done, "DUR700")
@@ -238,7 +278,7 @@ def test_with_the_broker_unreachable_start_resume_resolve_succeed_and_say_so_in_
         err = done.stderr.strip()
         assert note in err and "Traceback" not in err and len(err.splitlines()) == 1, err
 
-    started = cli(workers, "start", "test-loop", "--input", '{"n": 2}', env=down)
+    started = cli_process(workers, "start", "test-loop", "--input", '{"n": 2}', env=down)
     succeeds_with_a_note(started)
     run_id = started.stdout.split()[-1]
     # Nobody was told but the database: the sweeper rings for the run, a worker runs it.
@@ -247,7 +287,7 @@ def test_with_the_broker_unreachable_start_resume_resolve_succeed_and_say_so_in_
     slow = cli(workers, "start", "test-loop", "--input", '{"n": 40, "slow_ms": 100}')
     slow_id = slow.stdout.split()[-1]
     assert cli(workers, "cancel", slow_id).returncode == 0
-    succeeds_with_a_note(cli(workers, "resume", slow_id, env=down))
+    succeeds_with_a_note(cli_process(workers, "resume", slow_id, env=down))
     wait_until(lambda: Run.objects.get(pk=slow_id).head_seq > 0, timeout=60)
     cli(workers, "cancel", slow_id)
 
@@ -264,7 +304,7 @@ def test_with_the_broker_unreachable_start_resume_resolve_succeed_and_say_so_in_
         dispatch.set_dispatcher(publish)
     assert (doubt.status, doubt.wait_reason) == (RunStatus.WAITING, "in_doubt")
     effect = Effect.objects.get(run=doubt)
-    resolved = cli(workers, "resolve", str(doubt.id), str(effect.pk), "retry", env=down)
+    resolved = cli_process(workers, "resolve", str(doubt.id), str(effect.pk), "retry", env=down)
     succeeds_with_a_note(resolved)
     assert Effect.objects.get(pk=effect.pk).status == EffectStatus.RETRY
     wait_until(lambda: Run.objects.get(pk=doubt.id).status == RunStatus.SUCCEEDED, timeout=60)

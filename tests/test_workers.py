@@ -45,9 +45,10 @@ def finished(run_id, timeout=60.0) -> Run:
 
 
 def alive_workers(cluster):
-    for worker in cluster.workers:
-        if not worker.alive():
-            worker.start()
+    # Started together: a worker's start-up is seconds on a loaded machine.
+    dead = [worker.start(wait=False) for worker in cluster.workers if not worker.alive()]
+    for worker in dead:
+        worker.ready()
 
 
 def assert_each_prompt_once(llm, n):
@@ -197,16 +198,29 @@ def test_the_same_message_delivered_twice_at_once_runs_once(running, llm):
     assert claims == 1
 
 
-def test_a_step_blocked_60_s_in_a_call_keeps_its_lease(running, llm):
-    lease = float(running.env.get("DURABILITY_LEASE_SECONDS", "4"))
-    run = operations.start("test-loop", {"n": 2, "block_s": 60, "block_at": 0})
-    done = finished(run.id, timeout=120)
+def test_a_step_blocked_for_ten_leases_in_a_call_keeps_its_lease(running, llm, settings):
+    """A call that blocks for ten times the lease: the heartbeat keeps renewing it, the
+    module's sweeper (beat, every 0.5 s) never takes the run, and the call runs once, to
+    the end, on the worker that began it. That worker has a lease of 2.5 s (it beats every
+    0.5 s, as the module's workers do) and a queue of its own, so ten leases take 25 s
+    rather than the 40 s the module's 4 s lease would."""
+    lease = 2.5
+    queue = f"{running.queue}-short-lease"
+    env = {**running.env, "CELERY_QUEUE": queue, "DURABILITY_LEASE_SECONDS": str(lease)}
+    short = CeleryWorker(f"{running.name}-short-lease", env).start()
+    settings.CELERY_TASK_DEFAULT_QUEUE = queue
+    try:
+        run = operations.start("test-loop", {"n": 2, "block_s": 10 * lease, "block_at": 0})
+        done = finished(run.id, timeout=120)
+    finally:
+        short.stop()
     assert done.status == RunStatus.SUCCEEDED
-    assert 60 / lease >= 10  # the call outlived the lease many times over
+    claims = Event.objects.filter(run=run, kind=EventKind.CLAIMED)
+    assert claims.exists() and all(short.name in e.worker for e in claims), list(claims)
     assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
     assert not Event.objects.filter(run=run, kind=EventKind.RECOVERED).exists()
     block = JournalEntry.objects.get(run=run, key="block")
-    assert block.duration_ms >= 60_000  # ran once, to the end, on the worker that began it
+    assert block.duration_ms >= 10 * lease * 1000  # ran once, to the end
     assert_each_prompt_once(llm, 2)
 
 
@@ -250,8 +264,10 @@ def test_sigterm_to_the_pool_process_abandons_a_long_step_cleanly(running, llm):
 def test_a_solo_pool_worker_stops_on_sigterm(running, llm):
     """``--pool solo`` runs tasks in the worker's main process: SIGTERM must stay Celery's
     warm shutdown there (finish the step, hand the run back, exit), idle or busy."""
+    for worker in running.workers:  # every one told at once, each waited for
+        os.kill(worker.pid, signal.SIGTERM)
     for worker in running.workers:
-        worker.terminate(timeout=30)
+        worker.popen.wait(timeout=30)
     solo = CeleryWorker(f"{running.name}-solo", running.env, pool="solo").start()
     try:
         run = operations.start("test-loop", {"n": 12, "slow_ms": 300})
