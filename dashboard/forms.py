@@ -5,6 +5,7 @@ are shown on the same form."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,13 @@ def parse_json(text: str, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise forms.ValidationError(
             f"{what} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from None
+    except ValueError:
+        # The one other refusal of Python's parser: an integer of more digits than it
+        # converts (sys.get_int_max_str_digits(), 4,300 by default).
+        raise forms.ValidationError(
+            f"{what} has a number of more than {sys.get_int_max_str_digits():,} digits,"
+            " which cannot be read; write it as a string"
         ) from None
     except RecursionError:
         value = None

@@ -217,6 +217,13 @@ def test_json_that_does_not_parse_says_where(as_operator):
     assert '"depth": }' in text_of(response).replace("&quot;", '"')  # kept as typed
 
 
+def test_a_number_too_long_to_read_is_refused_not_a_server_error(as_operator):
+    """Python's parser refuses integers of more than 4,300 digits with a ValueError of its
+    own, not a JSONDecodeError: the page says so at the field, creating nothing."""
+    said = _refused(post(as_operator, input='{"question": ' + "9" * 4301 + "}"), "input-error")
+    assert "a number of more than 4,300 digits" in said and "write it as a string" in said
+
+
 def test_input_failing_the_schema_gets_the_engines_message_with_its_path(as_operator):
     response = post(as_operator, input='{"question": "Why?", "depth": 0}')
     said = _refused(response, "input-error")
