@@ -163,3 +163,48 @@ def test_a_graph_stored_under_a_span_links_its_run_and_its_subgraph_to_that_trac
     finally:
         saver.close()
         gc.collect()
+
+
+def test_a_report_made_before_one_already_written_never_overwrites_it():
+    """Checkpoints and writes reach the saver on several threads and their reports are
+    written later, on the saver's thread: "going on" made before an interrupt but written
+    after it must not hide the interrupt."""
+    from langgraph.types import Interrupt
+
+    from durability.langgraph.models import Thread
+    from durability.langgraph.status import ANSWER, MID_RUN, Reporter
+
+    thread_id = f"late-{uuid.uuid4().hex[:8]}"
+    saver = DurableSaver(graph="late-reports")
+    try:
+        _parent().compile(checkpointer=saver).invoke(
+            {"n": 0}, {"configurable": {"thread_id": thread_id}}
+        )
+        run = _run_of(saver, thread_id)
+    finally:
+        saver.close()
+        gc.collect()
+    assert run.status == "succeeded"
+    thread = Thread.objects.get(run=run)
+    reporter = Reporter()
+    going_on = reporter.put(thread, "z1", {"branch:to:tools": None}, run.head_seq)
+    asked = reporter.writes(
+        thread,
+        "z1",
+        [("__interrupt__", [Interrupt(value="may I refund?", id="i-1")])],
+        "~__pregel_pull, tools",
+        run.head_seq,
+        "task-1",
+    )
+    assert going_on is not None and asked is not None
+    asked()
+    going_on()  # late
+    run.refresh_from_db()
+    assert run.status == "waiting" and run.wait_detail == f"{ANSWER}may I refund?"
+    # In order, each is written.
+    again = Reporter()
+    later = again.put(thread, "z2", {"branch:to:model": None}, run.head_seq)
+    assert later is not None
+    later()
+    run.refresh_from_db()
+    assert run.wait_detail == MID_RUN

@@ -20,8 +20,10 @@ written is logged and tried again at the next checkpoint: the checkpoint is stor
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -79,9 +81,17 @@ class Reporter:
     LangGraph may store a task's writes before the checkpoint they belong to (its
     checkpoints are put in order, its writes beside them, in the background): an interrupt
     or an error is kept by its checkpoint's id and counts once that checkpoint is the
-    latest put, never for an older one."""
+    latest put, never for an older one.
+
+    Checkpoints and writes arrive on several threads at once, and each report is written
+    later on the saver's thread: reports are made one at a time, numbered, and one made
+    before a report already written is dropped, so a late "going on" never overwrites the
+    interrupt that came after it."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made = itertools.count()
+        self._written: dict[int, int] = {}  # thread -> number of the last report written
         self._said: dict[int, str] = {}
         self._outside: dict[int, bool] = {}
         self._latest: dict[int, tuple[str, int]] = {}  # thread -> (checkpoint id, seq)
@@ -92,6 +102,10 @@ class Reporter:
     def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
         """After checkpoint ``lg_id`` (``values``: its channel values): the report to write
         (on the saver's thread), if any."""
+        with self._lock:
+            return self._put(thread, lg_id, values, seq)
+
+    def _put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
         self._latest[thread.pk] = (lg_id, seq)
         stops = self._stops.setdefault(thread.pk, {})
         for old in [k for k in stops if k < lg_id]:
@@ -117,11 +131,17 @@ class Reporter:
         stop = _stop(writes, task_path)
         if stop is None:
             return None
+        with self._lock:
+            return self._writes(thread, lg_id, stop, seq, task_id or task_path)
+
+    def _writes(
+        self, thread: Thread, lg_id: str, stop: tuple[str, str], seq: int, task: str
+    ) -> Callable | None:
         latest, seq = self._latest.setdefault(thread.pk, (lg_id, seq))
         if lg_id < latest:
             return None
         found = self._stops.setdefault(thread.pk, {}).setdefault(lg_id, {})
-        found[task_id or task_path] = stop
+        found[task] = stop
         return self._report(thread, seq, *_combined(found)) if lg_id == latest else None
 
     def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Callable | None:
@@ -129,8 +149,12 @@ class Reporter:
         if self._said.get(thread.pk) == said:
             return None
         self._said[thread.pk] = said
+        number = next(self._made)
 
-        def write() -> None:
+        def write() -> None:  # on the saver's thread, one at a time
+            if self._written.get(thread.pk, -1) > number:
+                return  # made before one already written: that one is newer
+            self._written[thread.pk] = number
             try:
                 if self._is_outside(thread):
                     _write(thread.run_id, seq, kind, text)
