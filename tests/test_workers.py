@@ -275,14 +275,16 @@ def test_a_solo_pool_worker_stops_on_sigterm(running, llm):
         assert solo.name in Run.objects.get(pk=run.id).lease_owner
         assert solo.terminate(timeout=30) == 0
         assert Event.objects.filter(run=run, kind=EventKind.RELEASED).exists()
-        # Idle, after a task has run in it (the start-up sweep at least): it stops all the same.
+        # After a task has run in it (a run of one tick; the console leaves routine sweeps
+        # out), idle or busy with the run handed back: it stops all the same.
         solo.start()
-        solo.wait_for_log("durability.sweep[")
+        quick = operations.start("test-ticker", {"n": 1})
+        wait_until(lambda: Run.objects.get(pk=quick.id).status == RunStatus.SUCCEEDED, timeout=30)
         solo.wait_for_log("succeeded")
         assert solo.terminate(timeout=30) == 0
     finally:
         solo.stop()
-    alive_workers(running)
+        alive_workers(running)  # the module's workers, stopped above, for the next tests too
     assert finished(run.id).status == RunStatus.SUCCEEDED
     assert_each_prompt_once(llm, 12)
     assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
