@@ -208,3 +208,27 @@ def test_a_report_made_before_one_already_written_never_overwrites_it():
     later()
     run.refresh_from_db()
     assert run.wait_detail == MID_RUN
+
+
+def test_a_static_breakpoint_shows_as_waiting_for_the_graph_to_go_on():
+    """``interrupt_before`` stores no interrupt, only the next tasks: the run waits for its
+    graph to go on, and ``invoke(None)`` continues it to its end."""
+    from durability.langgraph.status import MID_RUN
+
+    thread_id = f"breakpoint-{uuid.uuid4().hex[:8]}"
+    config = {"configurable": {"thread_id": thread_id}}
+    saver = DurableSaver(graph="breakpoints")
+    try:
+        graph = _parent().compile(checkpointer=saver, interrupt_before=["child"])
+        assert graph.invoke({"n": 0}, config) == {"n": 0}
+        run = _run_of(saver, thread_id)
+        assert run.status == "waiting" and run.wait_detail == MID_RUN
+        shown = json.loads(command("show", str(run.id), "--json"))["langgraph"]
+        assert shown["next"] == ["child"] and shown["interrupts"] == []
+        assert "graph.invoke(None, " in shown["how_to_continue"]
+        assert graph.invoke(None, config) == {"n": 1}
+        run.refresh_from_db()
+        assert run.status == "succeeded"
+    finally:
+        saver.close()
+        gc.collect()
