@@ -188,17 +188,15 @@ class GraphAgent(Agent):
         if "checkpoint" not in state:
             return
         saver = StepSaver()
-        where, problem = undecodable(state["values"], saver.serde)
-        if not problem:
-            try:
-                seed(saver, {"configurable": {"thread_id": "edit", "checkpoint_ns": ""}}, state)
-            except Exception as exc:  # noqa: BLE001 - whatever LangGraph refuses
-                where, problem = "the checkpoint", _said(exc)
-        if problem:
+        try:
+            seed(saver, {"configurable": {"thread_id": "edit", "checkpoint_ns": ""}}, state)
+        except Exception as exc:  # noqa: BLE001 - whatever LangGraph or a message refuses
+            # Named down to the value at fault where it is one of the channels' values.
+            where, problem = undecodable(state["values"], saver.serde)
             raise SchemaViolation(
                 f"state of agent {self.name} is not a graph checkpoint LangGraph can load:"
-                f" {where}: {problem}"
-            )
+                f" {where or 'the checkpoint'}: {problem or _said(exc)}"
+            ) from None
 
     def _superstep(self, state: dict, ctx: Any) -> str:
         saver = StepSaver()
