@@ -48,7 +48,7 @@ def as_json(run: Run) -> dict[str, Any] | None:
         "checkpoint_ns": thread.checkpoint_ns if thread else None,
         "next": list(waiting.next),
         "interrupts": [
-            {"node": n, "value": _json(v), "id": i or None} for n, v, i in waiting.asked
+            {"node": n, "value": _json(v), "id": i or None} for n, v, i in waiting.interrupts
         ],
         "errors": [{"node": n, "error": e} for n, e in waiting.errors],
         "how_to_continue": None if run.status == "succeeded" else waiting.code,
@@ -65,7 +65,7 @@ def as_json(run: Run) -> dict[str, Any] | None:
                         "wrote": t.channels,
                         "routes": t.routes,
                         "error": t.error or None,
-                        "interrupts": [_json(i) for i in t.interrupts],
+                        "interrupts": [_json(v) for v, _ in t.interrupts],
                         "answers": [_json(a) for a in t.answers],
                     }
                     for t in step.tasks

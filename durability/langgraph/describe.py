@@ -39,8 +39,7 @@ class Task:
     channels: list[str] = field(default_factory=list)
     routes: list[str] = field(default_factory=list)
     error: str = ""
-    interrupts: list[str] = field(default_factory=list)
-    interrupt_ids: list[str] = field(default_factory=list)
+    interrupts: list[tuple[str, str]] = field(default_factory=list)  # (value as JSON, id)
     answers: list[str] = field(default_factory=list)
 
     @property
@@ -86,9 +85,9 @@ class Waiting:
 
     thread: Thread | None
     next: list[str]
-    interrupts: list[tuple[str, str]]  # (node, the interrupt's value as JSON)
+    # (node, the interrupt's value as JSON, LangGraph's id for it or "")
+    interrupts: list[tuple[str, str, str]]
     errors: list[tuple[str, str]]
-    interrupt_ids: list[str] = field(default_factory=list)  # LangGraph's, where it gave one
 
     @property
     def how_to_continue(self) -> str:
@@ -99,15 +98,11 @@ class Waiting:
         return continue_code(self.thread, interrupted=bool(self.interrupts), ids=self.ids)
 
     @property
-    def asked(self) -> list[tuple[str, str, str]]:
-        """Each interrupt waiting: (node, its value as JSON, its id or "")."""
-        ids = self.interrupt_ids or [""] * len(self.interrupts)
-        return [(node, value, i) for (node, value), i in zip(self.interrupts, ids, strict=False)]
-
-    @property
     def ids(self) -> list[str]:
-        """The interrupts' ids when each needs its own answer (more than one waits)."""
-        return self.interrupt_ids if len(self.interrupt_ids) > 1 else []
+        """The interrupts' ids when each needs its own answer (more than one waits, each
+        with its id)."""
+        ids = [i for _, _, i in self.interrupts]
+        return ids if len(ids) > 1 and all(ids) else []
 
 
 def is_graph_checkpoint(checkpoint: Any) -> bool:
@@ -168,8 +163,10 @@ def _tasks(rows: Iterable[tuple], found: Any) -> dict[str, list[Task]]:
             task.routes.append(channel[len(_BRANCH) :])
         elif channel == INTERRUPT:
             asked = _value(text, found)
-            task.interrupts += [shown(getattr(i, "value", i)) for i in asked or ()]
-            task.interrupt_ids += [str(getattr(i, "id", "") or "") for i in asked or ()]
+            task.interrupts += [
+                (shown(getattr(i, "value", i)), str(getattr(i, "id", "") or ""))
+                for i in asked or ()
+            ]
         elif channel == RESUME:
             task.answers.append(shown(codec.json_view(_value(text, found))))
         elif channel == ERROR:
@@ -229,8 +226,7 @@ def waiting(run: Any, head_values: Any = None) -> Waiting:
     )
     tasks = writes_of(thread.pk, [head]).get(head, []) if thread and head else []
     answered = any(t.answers for t in tasks)
-    interrupts = [] if answered else [(t.node, i) for t in tasks for i in t.interrupts]
-    ids = [] if answered else [i for t in tasks for i in t.interrupt_ids]
+    interrupts = [] if answered else [(t.node, v, i) for t in tasks for v, i in t.interrupts]
     errors = [(t.node, t.error) for t in tasks if t.error]
     values = head_values if isinstance(head_values, dict) else {}
-    return Waiting(thread, next_nodes(values), interrupts, errors, ids if all(ids) else [])
+    return Waiting(thread, next_nodes(values), interrupts, errors)
