@@ -21,11 +21,11 @@ from django.db import IntegrityError, connection, transaction
 from durability import canonical, diff
 from durability.conf import conf
 from durability.errors import FencedOut, IntegrityViolation, UnknownCheckpoint
-from durability.models import Checkpoint, Run, Snapshot
+from durability.models import Checkpoint, Run
 from durability.runtime import inflight
 from durability.runtime.faults import fault
 from durability.store import reconnect, store
-from durability.store.base import HEAD_COLUMNS, write_checkpoint
+from durability.store.base import HEAD_COLUMNS, write_checkpoint, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -423,39 +423,71 @@ def verified_state(cp: Checkpoint) -> tuple[Any, bytes, Rebuilt]:
 def run_state(run_id: Any, seq: int | None = None) -> Rebuilt | None:
     """The verified rebuild of a run's head checkpoint, or of its checkpoint ``seq`` (None if
     there is no such run or checkpoint): what ``verified_state`` checks, with the checkpoint,
-    its parent's chain hash and its chain read in one statement, and without encoding the
-    state again (its bytes are not asked for)."""
+    its parent's chain hash and the rows it is rebuilt from read in one statement, and
+    without encoding the state again (its bytes are not asked for)."""
     head, rows = store().head_chain(run_id, seq)
     if head is None:
         return None
     *fields, parent_chain = head
     cp = Checkpoint(**dict(zip(HEAD_COLUMNS[:-1], fields, strict=True)))
-    return _verified(cp, parent_chain, rows)
+    if _hash_problem(cp, rows) is not None:
+        # Rows found by number, not the path: a rollback (an empty patch on an older
+        # checkpoint) lies between the checkpoint and its nearest snapshot by number. Its
+        # parents, walked, are the path (and name what does not verify, if anything).
+        return _verified(cp, parent_chain)
+    return _rebuilt_checked(cp, parent_chain, rows)
 
 
 def _verified(cp: Checkpoint, parent_chain: str, rows: list[tuple] | None = None) -> Rebuilt:
+    """The rebuild from ``rows`` (default: the walk up ``cp``'s parents), checked before a
+    byte of it is parsed: the snapshot against its digest and the patches after it, by their
+    hashes, against the checkpoint's state hash (``_hash_problem``); then the checkpoint
+    against its chain hash."""
+    if rows is None:
+        rows = store().chain(cp.id)
+    problem = _hash_problem(cp, rows)
+    if problem is not None:
+        raise _first_bad(cp, problem)
+    return _rebuilt_checked(cp, parent_chain, rows)
+
+
+def _rebuilt_checked(cp: Checkpoint, parent_chain: str, rows: list[tuple]) -> Rebuilt:
+    """The rebuild from rows whose hashes are checked; the checkpoint against its chain."""
     try:
-        rebuilt = _rebuilt(cp.id, store().chain(cp.id) if rows is None else rows)
+        rebuilt = _rebuilt(cp.id, rows)
     except IntegrityViolation:
         raise
     except Exception as exc:  # a patch that no longer applies, bytes that no longer parse
         raise _first_bad(cp, f"cannot be rebuilt ({type(exc).__name__}: {exc})") from None
-    if seal(rebuilt.base_hash, rebuilt.snapshot.encode()) != rebuilt.digest:
-        raise _first_bad(cp, "the snapshot it is rebuilt from does not match its digest")
-    # The rebuilt state's hash, without hashing the rebuilt state: a checkpoint stored as a
-    # patch hashes its parent's hash and the patch's bytes, so chaining the snapshot's
-    # (sealed) hash through the bytes of the patches applied gives the hash of the state
-    # they produce. Just as strong as hashing the result: the patches applied are exactly
-    # those hashed, and applying them is deterministic (each was proven, when written, to
-    # reproduce its state byte for byte).
-    state_hash = rebuilt.base_hash
-    for patch in rebuilt.patches:
-        state_hash = canonical.patched(state_hash, patch.encode())
-    if state_hash != cp.state_hash:
-        raise _first_bad(cp, "the patches it is rebuilt from do not lead to its state hash")
     if chain_of(cp, parent_chain) != cp.chain_hash:
         raise _first_bad(cp, "its chain hash does not match its contents")
     return rebuilt
+
+
+def _hash_problem(cp: Checkpoint, rows: list[tuple]) -> str | None:
+    """Why ``rows`` (``CHAIN_SQL``'s shape) do not rebuild ``cp``'s state, or None.
+
+    The rebuilt state's hash, without hashing the rebuilt state: a checkpoint stored as a
+    patch hashes its parent's hash and the patch's bytes, so chaining the snapshot's
+    (sealed) hash through the bytes of the patches gives the hash of the state they produce.
+    Just as strong as hashing the result: the patches applied are exactly those hashed, and
+    applying them is deterministic (each was proven, when written, to reproduce its state
+    byte for byte)."""
+    if not rows:
+        return "it has no snapshot to be rebuilt from"
+    _, snap, text, digest, base_hash = rows[0]
+    if snap is None or text is None:
+        return "it has no snapshot ancestor; its history is incomplete"
+    if seal(base_hash, text.encode()) != (digest or ""):
+        return "the snapshot it is rebuilt from does not match its digest"
+    state_hash = base_hash
+    for _, _, patch, _, _ in rows[1:]:
+        if patch is None:
+            return "a checkpoint on its path lost its patch"
+        state_hash = canonical.patched(state_hash, patch.encode())
+    if state_hash != cp.state_hash:
+        return "the patches it is rebuilt from do not lead to its state hash"
+    return None
 
 
 def _first_bad(cp: Checkpoint, fallback: str) -> IntegrityViolation:
@@ -498,10 +530,12 @@ def store_snapshot(checkpoint_id: int, state_hash: str, state_bytes: bytes) -> N
             # Locked, so that a checkpoint compaction or retention is removing is not given
             # a snapshot after it is gone.
             exists = Checkpoint.objects.select_for_update().filter(pk=checkpoint_id)
-            if exists.values_list("pk", flat=True).first() is None:
+            found = exists.values_list("run_id", "seq").first()
+            if found is None:
                 return
-            Snapshot.objects.create(
-                checkpoint_id=checkpoint_id,
+            write_snapshot(
+                checkpoint_id,
+                *found,
                 state=state_bytes.decode(),
                 digest=seal(state_hash, state_bytes),
             )

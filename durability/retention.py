@@ -47,6 +47,7 @@ from durability.models import (
     Snapshot,
 )
 from durability.store import store
+from durability.store.base import write_snapshot
 
 
 @dataclass
@@ -244,8 +245,10 @@ def _compact(run: Run, removable: list[int]) -> bool:
                 continue
             if not Snapshot.objects.filter(checkpoint=cp).exists():
                 state, data, _ = checkpoints.verified_state(cp)
-                Snapshot.objects.create(
-                    checkpoint=cp,
+                write_snapshot(
+                    cp.id,
+                    cp.run_id,
+                    cp.seq,
                     state=data.decode(),
                     digest=checkpoints.seal(cp.state_hash, data),
                 )

@@ -12,15 +12,25 @@ import pytest
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
-from durability import END, Agent, checkpoints, operations, registry
+from durability import END, Agent, canonical, checkpoints, operations, registry
 from durability.checkpoints import Head, StepCommit
 from durability.errors import FencedOut
-from durability.models import Checkpoint, Event, EventKind, JournalEntry, Run, RunStatus
+from durability.integrity import verify_run
+from durability.models import (
+    Checkpoint,
+    Event,
+    EventKind,
+    JournalEntry,
+    Mutation,
+    Run,
+    RunStatus,
+)
 from durability.retention import referenced_blobs
 from durability.store import for_connection, reconnect, store
 from durability.store import langgraph as lg_store
 from durability.store.postgres import PostgresStore
 from durability.store.sqlite import SqliteStore
+from durability.testing import drive
 from tests.commit_helpers import empty_commit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
@@ -198,3 +208,71 @@ def test_a_snapshot_is_due_by_bytes_or_by_the_count_of_patches(settings):
     assert checkpoints.needs_snapshot(delta_run=10_001, size=10_000, deltas=1)
     cp = Checkpoint(id=1, seq=3, state_hash="h", chain_hash="c", size=1)
     assert Head.of(cp, deltas=3).deltas == 3 and Head.of(cp).deltas == 0
+
+
+# --- a run's state: read by number, kept only if it hashes ----------------------------------
+
+
+@pytest.fixture
+def appending():
+    """Eight steps, each appending a line: a state that grows, so that after its first
+    snapshots the run's checkpoints are patches (its snapshots come by bytes)."""
+    registry.unregister("x-store-append")
+    agent = Agent("x-store-append", initial_state=lambda inp: {"lines": []})
+
+    @agent.step(start=True)
+    def append(state, ctx):
+        state["lines"].append(f"line {len(state['lines'])} " + "x" * 2000)
+        return "append" if len(state["lines"]) < 8 else END
+
+    run = operations.start("x-store-append", {})
+    drive(run.id)
+    yield Run.objects.get(pk=run.pk)
+    registry.unregister("x-store-append")
+
+
+def _lines(n: int) -> list[str]:
+    return [f"line {i} " + "x" * 2000 for i in range(n)]
+
+
+def test_a_run_state_is_its_nearest_snapshot_and_the_patches_numbered_after_it(appending):
+    head, rows = store().head_chain(appending.id)
+    cp = Checkpoint.objects.get(run=appending, seq=appending.head_seq)
+    assert head[:3] == (cp.id, appending.id, 8)
+    walked = store().chain(cp.id)
+    assert len(rows) > 3  # a snapshot and several patches, not a snapshot of the head
+    # The same snapshot and patches as the walk up the parents, in the same order.
+    assert [row[:4] for row in rows] == [row[:4] for row in walked]
+    assert rows[0][4] == walked[0][4]
+    assert operations.state_at(appending.id) == {"lines": _lines(8)}
+
+
+def test_a_rollback_between_a_run_head_and_its_nearest_snapshot_is_walked(appending):
+    # A snapshot of #6, then a rollback to #3: the head (#9, an empty patch on #3) has #6 as
+    # its nearest snapshot by number, on the branch the rollback left.
+    six = Checkpoint.objects.get(run=appending, seq=6)
+    state = operations.state_at(appending.id, 6)
+    checkpoints.store_snapshot(six.id, six.state_hash, canonical.dumps(state))
+    operations.rollback(appending.id, 3, by="test")
+    if isinstance(store(), PostgresStore):  # which reads by number
+        assert store().head_chain(appending.id)[1][0][0] == six.id
+    assert operations.state_at(appending.id) == {"lines": _lines(3)}
+    assert operations.state_at(appending.id, 6) == {"lines": _lines(6)}
+    operations.resume(appending.id, by="test")
+    run = drive(appending.id)
+    assert run.status == RunStatus.SUCCEEDED
+    assert operations.state_at(run.id) == {"lines": _lines(8)}
+    assert verify_run(run.id).ok
+
+
+def test_the_run_and_number_copied_onto_history_rows_only_say_where_to_look(appending):
+    five = Checkpoint.objects.get(run=appending, seq=5)
+    Mutation.objects.filter(checkpoint=five).update(seq=500)
+    Mutation.objects.filter(checkpoint__run=appending, checkpoint__seq=7).update(
+        run_id=uuid.uuid4()
+    )
+    # The patches found by number no longer hash to the head's state: its parents are
+    # walked, and the state is the one its hashes commit to.
+    assert operations.state_at(appending.id) == {"lines": _lines(8)}
+    assert operations.state_at(appending.id, 6) == {"lines": _lines(6)}
+    assert verify_run(appending.id).ok

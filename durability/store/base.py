@@ -110,10 +110,18 @@ def write_checkpoint(
     """The one ORM writer of a checkpoint: its row, its mutation row, and its snapshot row if
     it is stored whole. The caller holds the transaction and has fenced the run."""
     cp = Checkpoint.objects.create(**fields)
-    Mutation.objects.create(checkpoint=cp, ops=ops, count=count)
+    Mutation.objects.create(checkpoint=cp, run_id=cp.run_id, seq=cp.seq, ops=ops, count=count)
     if snapshot is not None:
-        Snapshot.objects.create(checkpoint=cp, state=snapshot, digest=digest)
+        write_snapshot(cp.id, cp.run_id, cp.seq, state=snapshot, digest=digest)
     return cp
+
+
+def write_snapshot(checkpoint_id: int, run_id: Any, seq: int, *, state: str, digest: str) -> None:
+    """The one ORM writer of a snapshot row, with its checkpoint's run and number (what a
+    run's nearest snapshot is found by)."""
+    Snapshot.objects.create(
+        checkpoint_id=checkpoint_id, run_id=run_id, seq=seq, state=state, digest=digest
+    )
 
 
 class Store:
@@ -250,7 +258,10 @@ class Store:
         )
 
     def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
-        """``head`` and its ``chain`` rows; (None, []) if there is no such run or checkpoint."""
+        """``head`` and rows shaped as ``chain``'s that rebuild it, or may: a store may read
+        them by number, and the caller keeps them only if they hash to the head's state hash
+        (else it reads ``chain``). (None, []) if there is no such run or checkpoint. Here,
+        the walk up the parents itself."""
         head = self.head(run_id, seq)
         return (head, self.chain(head[0])) if head is not None else (None, [])
 

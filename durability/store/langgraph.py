@@ -18,16 +18,14 @@ from durability import canonical
 from durability.conf import conf
 from durability.langgraph.models import PendingWrite, SavedCheckpoint
 from durability.models import (
-    Checkpoint,
     CheckpointReason,
     Event,
     EventKind,
-    Mutation,
     Run,
-    Snapshot,
 )
 from durability.store import for_connection as store_for
 from durability.store import lg_sql
+from durability.store.base import write_checkpoint
 from durability.store.lg_sql import AGENT_VERSION, SCHEMA_VERSION
 from durability.store.postgres import PostgresStore
 
@@ -200,7 +198,11 @@ def _insert_orm(row: dict[str, Any]) -> int | None:
     )
     if not updated:
         return None
-    cp = Checkpoint.objects.create(
+    cp = write_checkpoint(
+        ops=row["ops"],
+        count=row["count"],
+        snapshot=row["snapshot"],
+        digest=row["digest"],
         run_id=row["run"],
         seq=row["head_seq"] + 1,
         parent_id=row["parent"],
@@ -215,9 +217,6 @@ def _insert_orm(row: dict[str, Any]) -> int | None:
         delta_run=row["delta_run"],
         commit_id=row["commit_id"],
     )
-    Mutation.objects.create(checkpoint=cp, ops=row["ops"], count=row["count"])
-    if row["snapshot"] is not None:
-        Snapshot.objects.create(checkpoint=cp, state=row["snapshot"], digest=row["digest"])
     SavedCheckpoint.objects.create(
         checkpoint=cp,
         thread_id=row["thread"],

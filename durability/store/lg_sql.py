@@ -35,8 +35,8 @@ WITH cfg AS (SELECT {lowered} AS v), r AS (
       FROM r
  RETURNING id
 ), m AS (
-    INSERT INTO {mutation} (checkpoint_id, ops, count)
-    SELECT c.id, %(ops)s::text, %(count)s::integer FROM c
+    INSERT INTO {mutation} (checkpoint_id, run_id, seq, ops, count)
+    SELECT c.id, r.id, r.head_seq, %(ops)s::text, %(count)s::integer FROM c, r
 ), l AS (
     INSERT INTO {saved} (checkpoint_id, thread_id, lg_id, lg_parent_id, metadata)
     SELECT c.id, %(thread)s::bigint, %(lg_id)s::text, %(lg_parent)s::text,
@@ -49,8 +49,8 @@ WITH cfg AS (SELECT {lowered} AS v), r AS (
 SELECT id FROM c
 """
 _SNAPSHOT = """, s AS (
-    INSERT INTO {snapshot} (checkpoint_id, state, digest)
-    SELECT c.id, %(snapshot)s::text, %(digest)s::text FROM c
+    INSERT INTO {snapshot} (checkpoint_id, run_id, seq, state, digest)
+    SELECT c.id, r.id, r.head_seq, %(snapshot)s::text, %(digest)s::text FROM c, r
 )"""
 
 

@@ -7,8 +7,6 @@ plain INSERT + COMMIT, against ~2.9x for the same writes as four ORM statements)
 
 from __future__ import annotations
 
-from durability.store.base import CHAIN_COLUMNS, CHAIN_STEP
-
 COMMIT = """
 WITH {cfg}r AS (
     UPDATE durability_run
@@ -38,8 +36,8 @@ WITH {cfg}r AS (
       FROM r
  RETURNING id
 ), m AS (
-    INSERT INTO durability_mutation (checkpoint_id, ops, count)
-    SELECT c.id, %(ops)s::text, %(count)s::integer FROM c
+    INSERT INTO durability_mutation (checkpoint_id, run_id, seq, ops, count)
+    SELECT c.id, r.id, r.head_seq, %(ops)s::text, %(count)s::integer FROM c, r
 ){snapshot}, e AS (
     INSERT INTO durability_event
         (run_id, kind, seq, step, actor, reason, worker, data, commit_us, created_at)
@@ -57,8 +55,8 @@ _LEASE_END = (
     " outcome = %(outcome)s::text,"
 )
 _SNAPSHOT = """, s AS (
-    INSERT INTO durability_snapshot (checkpoint_id, state, digest)
-    SELECT c.id, %(snapshot)s::text, %(digest)s::text FROM c
+    INSERT INTO durability_snapshot (checkpoint_id, run_id, seq, state, digest)
+    SELECT c.id, r.id, r.head_seq, %(snapshot)s::text, %(digest)s::text FROM c, r
 )"""
 _EVENTS_CONTINUE = "('checkpoint', %(data)s::text)"
 _EVENTS_FINISH = "('checkpoint', %(data)s::text), ('succeeded', %(end)s::text)"
@@ -153,32 +151,39 @@ COMMIT_FIGURES = (
 )
 
 # A run's state at its head (or at checkpoint ``seq``) in one round trip: the checkpoint with
-# what verifying it needs, and the rows of ``base.CHAIN_SQL`` from it (``Store.head_chain``).
+# what verifying it needs and its nearest snapshot by number, then the patches numbered after
+# that snapshot up to it, each an index range read in order (``Store.head_chain``). Those are
+# its path unless a rollback (an empty patch on an older checkpoint) lies between: the caller
+# hashes them, and walks the parents (``CHAIN_SQL``) when they do not lead to its state hash.
 # Its parent's chain hash (the one its own is linked to; stored on it once compaction removed
-# the parent) is a scalar subquery rather than a join of the checkpoint table to itself, and
-# the statement is prepared once per session: ``state_at`` (the CLI's ``show``)
-# then plans nothing. Columns: the chain's five, then the checkpoint's (``base.HEAD_COLUMNS``)
-# on its own row only.
-HEAD_CHAIN = f"""
-WITH RECURSIVE head AS (
+# the parent) is a scalar subquery. Prepared once per session. Columns: the checkpoint's
+# (``base.HEAD_COLUMNS``), then the snapshot's checkpoint id, state, digest and state hash, on
+# the checkpoint's row; a patch's checkpoint id, a NULL run, its number and its operations on
+# each other row.
+HEAD_PATH = """
+WITH head AS (
     SELECT c.id, c.run_id, c.seq, c.step, c.next_step, c.schema_version, c.agent_version,
            c.state_hash, c.chain_hash,
            COALESCE(NULLIF(c.parent_chain, ''),
                     (SELECT p.chain_hash FROM durability_checkpoint p WHERE p.id = c.parent_id),
                     '') AS parent_chain,
-           c.parent_id
-      FROM durability_run r
-      JOIN durability_checkpoint c
-        ON c.run_id = r.id AND c.seq = COALESCE(%(seq)s::integer, r.head_seq)
-     WHERE r.id = %(run)s::uuid
-), chain(id, parent_id, depth, snap, state_hash) AS (
-    SELECT h.id, h.parent_id, 0,
-           (SELECT 1 FROM durability_snapshot s WHERE s.checkpoint_id = h.id), h.state_hash
-      FROM head h
-    UNION ALL{CHAIN_STEP})
-{CHAIN_COLUMNS},
-       h.id, h.run_id, h.seq, h.step, h.next_step, h.schema_version, h.agent_version,
-       h.state_hash, h.chain_hash, h.parent_chain
-  FROM chain LEFT JOIN head h ON h.id = chain.id
- ORDER BY chain.depth DESC
+           s.checkpoint_id AS base_id, s.seq AS base_seq, s.state, s.digest
+      FROM durability_checkpoint c
+      LEFT JOIN LATERAL (
+          SELECT n.checkpoint_id, n.seq, n.state, n.digest FROM durability_snapshot n
+           WHERE n.run_id = c.run_id AND n.seq <= c.seq
+           ORDER BY n.seq DESC LIMIT 1) s ON true
+     WHERE c.run_id = %(run)s::uuid
+       AND c.seq = COALESCE(%(seq)s::integer,
+                            (SELECT r.head_seq FROM durability_run r WHERE r.id = %(run)s::uuid))
+)
+SELECT h.id, h.run_id, h.seq, h.step, h.next_step, h.schema_version, h.agent_version,
+       h.state_hash, h.chain_hash, h.parent_chain, h.base_id, h.state, h.digest,
+       (SELECT b.state_hash FROM durability_checkpoint b WHERE b.id = h.base_id)
+  FROM head h
+UNION ALL
+SELECT m.checkpoint_id, NULL, m.seq, m.ops, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL
+  FROM head h JOIN durability_mutation m
+    ON m.run_id = h.run_id AND m.seq > h.base_seq AND m.seq <= h.seq
 """

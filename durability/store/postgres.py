@@ -188,11 +188,18 @@ class PostgresStore(Store):
         return self.fetch_all_prepared(CHAIN_SQL, [checkpoint_id])
 
     def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
-        """In one prepared statement."""
-        rows = self.fetch_all_prepared(pg_sql.HEAD_CHAIN, {"run": run_id, "seq": seq})
-        if not rows:
+        """In one prepared statement (``pg_sql.HEAD_PATH``): the patches numbered after the
+        nearest snapshot, which are the path unless a rollback lies between. An empty chain
+        when there is no snapshot by number."""
+        rows = self.fetch_all_prepared(pg_sql.HEAD_PATH, {"run": run_id, "seq": seq})
+        head = next((row for row in rows if row[1] is not None), None)
+        if head is None:
             return None, []
-        return rows[-1][5:], [row[:5] for row in rows]
+        if head[10] is None:
+            return head[:10], []
+        patches = sorted((row for row in rows if row[1] is None), key=lambda row: row[2])
+        base = (head[10], 1, head[11], head[12], head[13])
+        return head[:10], [base, *((row[0], None, row[3], None, None) for row in patches)]
 
     def commit_step(self, c: StepCommit, data: str, inside: Callable[[], None]) -> int | None:
         if c.durability == "replicated":
