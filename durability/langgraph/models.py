@@ -36,10 +36,26 @@ class SavedCheckpoint(models.Model):
     """A LangGraph checkpoint: its id (uuid6, so ordered by time), its parent's, and its
     metadata as JSON (a queryable copy; the hashed one is in the checkpoint's state)."""
 
+    # No database constraints, as on the engine's own history rows (see the note above
+    # ``durability.models.Checkpoint``): the checkpoint is the row the same statement
+    # inserted, on its UPDATE of the thread's run; the thread is one the saver read or made.
+    # Each constraint cost a trigger and a row lock per superstep, and the thread's row was
+    # locked by the checkpoint and the pending writes at once. Deletes cascade through
+    # Django's collector. Indexed through the (thread, lg_id) constraint.
     checkpoint = models.OneToOneField(
-        Checkpoint, primary_key=True, on_delete=models.CASCADE, related_name="langgraph"
+        Checkpoint,
+        primary_key=True,
+        on_delete=models.CASCADE,
+        related_name="langgraph",
+        db_constraint=False,
     )
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="checkpoints")
+    thread = models.ForeignKey(
+        Thread,
+        on_delete=models.CASCADE,
+        related_name="checkpoints",
+        db_constraint=False,
+        db_index=False,
+    )
     lg_id = models.CharField(max_length=64)
     lg_parent_id = models.CharField(max_length=64, blank=True, default="")
     metadata = models.JSONField(default=dict)
@@ -56,7 +72,14 @@ class PendingWrite(models.Model):
     LangGraph may send a checkpoint's writes while that checkpoint is still being stored."""
 
     id = models.BigAutoField(primary_key=True)
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="writes")
+    # As ``SavedCheckpoint.thread``: unconstrained, indexed through ``lg_write_identity``.
+    thread = models.ForeignKey(
+        Thread,
+        on_delete=models.CASCADE,
+        related_name="writes",
+        db_constraint=False,
+        db_index=False,
+    )
     checkpoint_id = models.CharField(max_length=64)
     task_id = models.CharField(max_length=64)
     idx = models.IntegerField()

@@ -14,11 +14,12 @@ class CheckpointReason(models.TextChoices):
     FORK = "fork", "fork"
 
 
-# A checkpoint's references to its run and its parent, and its mutation log's and snapshot's
-# to it, carry no database constraint. The step commit, one statement, writes them all on its
-# fenced UPDATE of the run: the run is the row it updated, the checkpoint the row it
-# inserted, and the parent must be the run's head (a condition of the UPDATE itself, stronger
-# than a foreign key). Every other writer holds the run's row lock (start and fork create the
+# A checkpoint's references to its run, its parent and its replay base, and its mutation
+# log's and snapshot's to it, carry no database constraint. The step commit, one statement,
+# writes them all on its fenced UPDATE of the run: the run is the row it updated, the
+# checkpoint the row it inserted, the parent must be the run's head (a condition of the
+# UPDATE itself, stronger than a foreign key) and the replay base is one of the run's
+# checkpoints the step read. Every other writer holds the run's row lock (start and fork create the
 # run in the same transaction; rollback, compaction and retention's deletes lock it first)
 # or, the snapshot thread, the checkpoint's. A foreign key would check again what these
 # prove, with a trigger and a row lock each: about 8% of the commit's server time. Deletes
@@ -73,8 +74,15 @@ class Checkpoint(models.Model):
     # Periodic level: a checkpoint forced in the middle of a period (before an effect or a
     # suspension) lets the step it interrupted keep its operations' identities: the base they
     # were recorded under and the occurrence counters as the step began.
+    # Seldom set, so indexed only where set. No database constraint: see the note above.
     replay_base = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_constraint=False,
+        db_index=False,
     )
     replay_counters = models.TextField(blank=True, default="", db_default="")
     packages = models.TextField(blank=True, default="", help_text="canonical JSON")
@@ -93,6 +101,13 @@ class Checkpoint(models.Model):
         ordering = ["run", "seq"]
         constraints = [
             models.UniqueConstraint(fields=["run", "seq"], name="checkpoint_run_seq"),
+        ]
+        indexes = [
+            models.Index(
+                fields=["replay_base"],
+                condition=models.Q(replay_base__isnull=False),
+                name="checkpoint_replay_base",
+            )
         ]
 
     def __str__(self) -> str:
