@@ -242,11 +242,13 @@ class Cluster:
         self.beat: Beat | None = None
         self.housekeeping: CeleryWorker | None = None
 
-    def worker(self, concurrency: int = 1, **extra_env: str) -> CeleryWorker:
+    def worker(self, concurrency: int = 1, *, wait: bool = True, **extra_env: str) -> CeleryWorker:
+        """A run worker; ``wait=False``: started, not waited for (``start_beat`` waits for
+        every worker, so that a module's processes boot side by side)."""
         name = f"{self.name}-w{len(self.workers) + 1}"
         worker = CeleryWorker(name, {**self.env, **extra_env}, concurrency=concurrency)
         self.workers.append(worker)
-        return worker.start()
+        return worker.start(wait=wait)
 
     def migrate(self) -> None:
         """Migrate the cluster's own database (a throwaway server's, not the test database
@@ -266,9 +268,13 @@ class Cluster:
                 f"{self.name}-housekeeping", self.env, queues=[housekeeping_queue(self.env)]
             )
         if not self.housekeeping.alive():
-            self.housekeeping.start()
-        self.beat = Beat(f"{self.name}-beat", self.env, self.folder)
-        return self.beat.start()
+            self.housekeeping.start(wait=False)
+        self.beat = Beat(f"{self.name}-beat", self.env, self.folder).start(wait=False)
+        # Booted side by side (each is seconds of imports), then each waited for.
+        for proc in [*self.workers, self.housekeeping]:
+            if proc.booting:
+                proc.ready()
+        return self.beat.ready()
 
     def stop(self) -> None:
         procs = [p for p in [*self.workers, self.beat, self.housekeeping] if p is not None]

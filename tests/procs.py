@@ -163,16 +163,21 @@ class CeleryWorker(Proc):
         argv = worker_argv(name, queues or [env["CELERY_QUEUE"]], concurrency, pool)
         super().__init__(name, argv, env)
 
+    # Started and not waited for yet (``start(wait=False)``).
+    booting = False
+
     def start(self, wait: bool = True) -> CeleryWorker:
         """Start the worker and, unless told not to (workers started together, each
         waited for after), wait until it consumes."""
         super().start()
+        self.booting = True
         if wait:
             self.ready()
         return self
 
     def ready(self) -> CeleryWorker:
         self.wait_for_log(" ready.")
+        self.booting = False
         return self
 
     def children(self) -> list[int]:
@@ -218,8 +223,13 @@ class Beat(Proc):
     def __init__(self, name: str, env: dict[str, str], folder: Path) -> None:
         super().__init__(name, beat_argv(folder / f"{name}-schedule", max_interval=1), env)
 
-    def start(self) -> Beat:
+    def start(self, wait: bool = True) -> Beat:
         super().start()
+        if wait:
+            self.ready()
+        return self
+
+    def ready(self) -> Beat:
         self.wait_for_log("beat: Starting")
         return self
 

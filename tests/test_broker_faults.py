@@ -30,7 +30,7 @@ def redis_cluster(django_db_setup, django_db_blocker, llm_server, effect_server,
             broker_url=redis.url,
         )
     cluster.redis = redis
-    cluster.worker()
+    cluster.worker(wait=False)
     cluster.start_beat()
     # This process rings the doorbell on the throwaway Redis too. Celery prefers the
     # CELERY_BROKER_URL environment variable (the machine's Redis, in this process) to any

@@ -85,7 +85,7 @@ class WebServer(Proc):
 def app(cluster, tmp_path_factory):
     """Workers, a beat (the sweeper recovers killed workers) and the web server, all on the
     module's queue and the test database."""
-    cluster.worker(concurrency=2)
+    cluster.worker(concurrency=2, wait=False)
     cluster.start_beat()
     var = tmp_path_factory.mktemp("web-var")
     server = started_web({**cluster.env, "DURABILITY_VAR_DIR": str(var), "DEBUG": "0"})

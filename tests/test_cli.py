@@ -30,7 +30,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(scope="module")
 def workers(cluster):
-    cluster.worker()
+    cluster.worker(wait=False)
     cluster.start_beat()
     return cluster
 

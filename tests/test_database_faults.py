@@ -31,7 +31,7 @@ def pg_cluster(llm_server, effect_server, tmp_path_factory):
     cluster.migrate()
     cluster.pg = pg
     cluster.env["DURABILITY_REPLICATION_TIMEOUT_SECONDS"] = "1"
-    cluster.worker()
+    cluster.worker(wait=False)
     cluster.start_beat()
     try:
         yield cluster

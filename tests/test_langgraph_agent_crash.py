@@ -36,8 +36,8 @@ def running(cluster, tmp_path_factory):
         DURABILITY_AGENT_MODULES="examples.agents,tests.agents,tests.langgraph_agents",
         LG_TOOL_LEDGER=str(ledger),
     )
-    cluster.worker(concurrency=2)
-    cluster.worker(concurrency=2)
+    cluster.worker(concurrency=2, wait=False)
+    cluster.worker(concurrency=2, wait=False)
     cluster.start_beat()
     return cluster, ledger
 

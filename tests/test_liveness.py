@@ -318,8 +318,8 @@ def restarted(tmp_path_factory):
     cluster.env["DURABILITY_LEASE_SECONDS"] = "15"
     cluster.migrate()
     cluster.pg, cluster.llm, cluster.receiver = pg, llm, receiver
-    cluster.worker(concurrency=2)
-    cluster.worker(concurrency=2)
+    cluster.worker(concurrency=2, wait=False)
+    cluster.worker(concurrency=2, wait=False)
     cluster.start_beat()
     try:
         yield cluster

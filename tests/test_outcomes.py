@@ -131,7 +131,7 @@ def test_an_outcome_that_is_not_text_fails_the_run_with_a_sentence():
 
 @pytest.fixture(scope="module")
 def running(cluster):
-    cluster.worker()
+    cluster.worker(wait=False)
     cluster.start_beat()
     return cluster
 

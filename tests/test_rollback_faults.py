@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.smoke, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture(scope="module")
 def running(cluster):
-    cluster.worker()
-    cluster.worker()
+    cluster.worker(wait=False)
+    cluster.worker(wait=False)
     cluster.start_beat()
     return cluster
 

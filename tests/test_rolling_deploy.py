@@ -17,8 +17,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(scope="module")
 def fleet(cluster):
-    old = cluster.worker(TEST_AGENT_VERSION="1")
-    new = cluster.worker(TEST_AGENT_VERSION="2")
+    old = cluster.worker(TEST_AGENT_VERSION="1", wait=False)
+    new = cluster.worker(TEST_AGENT_VERSION="2", wait=False)
     cluster.start_beat()
     return cluster, old, new
 

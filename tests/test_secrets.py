@@ -79,7 +79,7 @@ def worker(cluster, receiver, tmp_path_factory):
             "DURABILITY_LOCK_DIR": str(folder / "locks"),
         }
     )
-    proc = cluster.worker()
+    proc = cluster.worker(wait=False)
     cluster.start_beat()
     yield proc, folder
     # While the span receiver still answers: stopped after it, the processes retry their

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.smoke, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture(scope="module")
 def workers(cluster):
-    cluster.worker(concurrency=2)
+    cluster.worker(concurrency=2, wait=False)
     cluster.start_beat()
     return cluster
 

@@ -35,7 +35,7 @@ def traced(cluster, receiver):
         "OTEL_METRIC_EXPORT_INTERVAL": "300",
     }
     cluster.env.update(telemetry_env)
-    cluster.worker()
+    cluster.worker(wait=False)
     cluster.start_beat()
     return cluster
 

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(scope="module")
 def running(cluster):
     """Two single-process workers and a beat for the module."""
-    cluster.worker()
-    cluster.worker()
+    cluster.worker(wait=False)
+    cluster.worker(wait=False)
     cluster.start_beat()
     return cluster
 
