@@ -23,10 +23,22 @@ class JournalEntry(models.Model):
     occurrence). Insert-if-absent: whoever loses a race uses the stored value."""
 
     id = models.BigAutoField(primary_key=True)
-    # Indexed through (run, id): a run's calls in order, and its latest, without a scan.
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="journal", db_index=False)
+    # Indexed through (run, id): a run's calls in order, and its latest, without a scan. No
+    # database constraints on the run or the base, as on a checkpoint's (the note above
+    # ``Checkpoint``, models/history.py): a call is recorded by the worker executing the run,
+    # on the checkpoint its step started from, both read by that worker; each constraint was
+    # a trigger and a lock on the run's row (which every commit updates) per call.
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="journal", db_index=False, db_constraint=False
+    )
     # Indexed through the identity constraint, which starts with it.
-    base = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+", db_index=False)
+    base = models.ForeignKey(
+        Checkpoint,
+        on_delete=models.CASCADE,
+        related_name="+",
+        db_index=False,
+        db_constraint=False,
+    )
     key = models.CharField(max_length=200)
     occurrence = models.IntegerField(default=0)
     kind = models.CharField(max_length=8, choices=CallKind.choices, default=CallKind.CALL)
@@ -63,9 +75,18 @@ class Effect(models.Model):
     """A side effect: intent committed before the call, outcome after."""
 
     id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="effects", db_index=False)
+    # Unconstrained, as a journal entry's run and base are.
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="effects", db_index=False, db_constraint=False
+    )
     # Indexed through the identity constraint, which starts with it.
-    base = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="+", db_index=False)
+    base = models.ForeignKey(
+        Checkpoint,
+        on_delete=models.CASCADE,
+        related_name="+",
+        db_index=False,
+        db_constraint=False,
+    )
     key = models.CharField(max_length=200)
     occurrence = models.IntegerField(default=0)
     step = models.CharField(max_length=200, blank=True, default="")
