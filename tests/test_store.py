@@ -268,8 +268,12 @@ def test_a_rollback_between_a_run_head_and_its_nearest_snapshot_is_walked(append
 def test_the_run_and_number_copied_onto_history_rows_only_say_where_to_look(appending):
     five = Checkpoint.objects.get(run=appending, seq=5)
     Mutation.objects.filter(checkpoint=five).update(seq=500)
-    Mutation.objects.filter(checkpoint__run=appending, checkpoint__seq=7).update(
+    Mutation.objects.filter(checkpoint__run=appending, checkpoint__seq=6).update(
         run_id=uuid.uuid4()
+    )
+    # As a worker of the version before these columns writes it, during a rolling deploy.
+    Mutation.objects.filter(checkpoint__run=appending, checkpoint__seq=7).update(
+        run_id=None, seq=None
     )
     # The patches found by number no longer hash to the head's state: its parents are
     # walked, and the state is the one its hashes commit to.

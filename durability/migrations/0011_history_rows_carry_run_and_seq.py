@@ -1,7 +1,9 @@
 """Mutation and snapshot rows carry their checkpoint's run and number (copied, immutable),
 indexed, so that a run's latest state is read as one index range instead of a walk up the
 parents. Existing rows are filled in from their checkpoints; a row whose checkpoint no longer
-exists (no read can reach it: every read goes through a checkpoint) is deleted."""
+exists (no read can reach it: every read goes through a checkpoint) is deleted. The columns
+stay nullable: workers of the previous version, still running during a rolling deploy,
+insert rows without them (such rows are found by the walk up the parents)."""
 
 from django.db import migrations, models
 
@@ -40,11 +42,6 @@ class Migration(migrations.Migration):
             )
         ),
         migrations.RunPython(fill, migrations.RunPython.noop),
-        *(
-            migrations.AlterField(model_name=model, name=name, field=field)
-            for model in ("mutation", "snapshot")
-            for name, field in (("run_id", models.UUIDField()), ("seq", models.IntegerField()))
-        ),
         migrations.AddIndex(
             model_name="mutation",
             index=models.Index(fields=["run_id", "seq"], name="mutation_run_seq"),

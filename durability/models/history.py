@@ -133,9 +133,10 @@ class Mutation(models.Model):
     # instead of a walk up the parents, a probe of three indexes per checkpoint. The copies
     # are only where to look: what they find is used only if it hashes to the checkpoint's
     # state hash (``checkpoints.run_state``), and a rollback's head (an empty patch on an
-    # older checkpoint) is found by walking its parents instead.
-    run_id = models.UUIDField()
-    seq = models.IntegerField()
+    # older checkpoint) is found by walking its parents instead. Nullable: workers of the
+    # version before these columns, still running during a rolling deploy, write none.
+    run_id = models.UUIDField(null=True)
+    seq = models.IntegerField(null=True)
 
     class Meta:
         indexes = [models.Index(fields=["run_id", "seq"], name="mutation_run_seq")]
@@ -158,10 +159,10 @@ class Snapshot(models.Model):
     # DURABILITY_HMAC_KEY). A checkpoint stored as a patch has a state hash chained over
     # patches, not over its whole state, so its snapshot needs a check of its own.
     digest = models.CharField(max_length=64, blank=True, default="", db_default="")
-    # Copied from its checkpoint, as on ``Mutation``: a run's nearest snapshot at or before a
-    # checkpoint is one index probe.
-    run_id = models.UUIDField()
-    seq = models.IntegerField()
+    # Copied from its checkpoint, as on ``Mutation`` (and nullable, as there): a run's nearest
+    # snapshot at or before a checkpoint is one index probe.
+    run_id = models.UUIDField(null=True)
+    seq = models.IntegerField(null=True)
 
     class Meta:
         indexes = [models.Index(fields=["run_id", "seq"], name="snapshot_run_seq")]
