@@ -24,6 +24,7 @@ from durability.models import (
     Mutation,
     Run,
     RunStatus,
+    Snapshot,
 )
 from durability.retention import referenced_blobs
 from durability.store import for_connection, reconnect, store
@@ -247,13 +248,21 @@ def test_a_run_state_is_its_nearest_snapshot_and_the_patches_numbered_after_it(a
     assert operations.state_at(appending.id) == {"lines": _lines(8)}
 
 
-def test_a_rollback_between_a_run_head_and_its_nearest_snapshot_is_walked(appending):
-    # A snapshot of #6, then a rollback to #3: the head (#9, an empty patch on #3) has #6 as
-    # its nearest snapshot by number, on the branch the rollback left.
+def test_a_rollback_head_is_stored_whole_and_one_stored_as_a_patch_only_is_walked(appending):
+    # A snapshot of #6, then a rollback to #3: the new head (#9) is an empty patch on #3 and
+    # a snapshot of its own, so its state is read from itself.
     six = Checkpoint.objects.get(run=appending, seq=6)
     state = operations.state_at(appending.id, 6)
     checkpoints.store_snapshot(six.id, six.state_hash, canonical.dumps(state))
     operations.rollback(appending.id, 3, by="test")
+    head = Checkpoint.objects.get(run=appending, seq=9)
+    assert head.parent.seq == 3 and Snapshot.objects.filter(checkpoint=head).exists()
+    assert [row[0] for row in store().head_chain(appending.id)[1]] == [head.id]
+    assert operations.state_at(appending.id) == {"lines": _lines(3)}
+    # As a rollback of the version before stored it (a patch only): by number, its nearest
+    # snapshot is #6, on the branch it left; those rows do not hash to its state, and its
+    # parents are walked instead.
+    Snapshot.objects.filter(checkpoint=head).delete()
     if isinstance(store(), PostgresStore):  # which reads by number
         assert store().head_chain(appending.id)[1][0][0] == six.id
     assert operations.state_at(appending.id) == {"lines": _lines(3)}

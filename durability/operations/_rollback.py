@@ -283,8 +283,11 @@ def _check_head(run: Run, expected_head: int | None) -> None:
 
 def _new_head(run: Run, target: Checkpoint, by: str) -> Checkpoint:
     """The rollback's checkpoint: an empty patch on the target, so the new head rebuilds to
-    exactly its state."""
-    checkpoints.verified_state(target)
+    exactly its state, stored whole as well. A rollback is rare and its run is the one an
+    operator looks at next: the new head's state is then one snapshot, not the target's
+    path, which a read by number (``checkpoints.run_state``) would miss for the patches of
+    the branch just left, numbered in between."""
+    _, data, _ = checkpoints.verified_state(target)
     seq = run.head_seq + 1
     chain = checkpoints.link(
         target.chain_hash,
@@ -311,10 +314,12 @@ def _new_head(run: Run, target: Checkpoint, by: str) -> Checkpoint:
         packages=target.packages,
         size=target.size,
         delta_size=len(canonical.EMPTY_PATCH),
-        delta_run=target.delta_run + len(canonical.EMPTY_PATCH),
+        delta_run=0,
         created_by=by,
         ops=canonical.EMPTY_PATCH.decode(),
         count=0,
+        snapshot=data.decode(),
+        digest=checkpoints.seal(target.state_hash, data),
     )
 
 
