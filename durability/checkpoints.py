@@ -431,9 +431,10 @@ def run_state(run_id: Any, seq: int | None = None) -> Rebuilt | None:
     *fields, parent_chain = head
     cp = Checkpoint(**dict(zip(HEAD_COLUMNS[:-1], fields, strict=True)))
     if _hash_problem(cp, rows) is not None:
-        # Rows found by number that are not its path: a rollback (an empty patch on an older
-        # checkpoint) or a LangGraph branch lies between it and its nearest snapshot by
-        # number, or some rows lack their copies (written before them) or had them changed.
+        # Rows found by number that are not its path: a LangGraph branch, or a rollback
+        # stored by an older version (an empty patch on an older checkpoint, no snapshot),
+        # lies between it and its nearest snapshot by number, or some rows lack their copies
+        # (written before them) or had them changed.
         # Its parents, walked, are the path (and name what does not verify, if anything).
         return _verified(cp, parent_chain)
     return _rebuilt_checked(cp, parent_chain, rows)

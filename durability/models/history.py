@@ -129,12 +129,12 @@ class Mutation(models.Model):
     ops = models.TextField(help_text="canonical JSON: a list of RFC 6902 operations")
     count = models.IntegerField(default=0)
     # Its checkpoint's run and number, copied (neither ever changes): the patches after a
-    # run's nearest snapshot up to its head are one range of this index, read in order,
-    # instead of a walk up the parents, a probe of three indexes per checkpoint. The copies
-    # are only where to look: what they find is used only if it hashes to the checkpoint's
-    # state hash (``checkpoints.run_state``), and a rollback's head (an empty patch on an
-    # older checkpoint) is found by walking its parents instead. Nullable: workers of the
-    # version before these columns, still running during a rolling deploy, write none.
+    # run's nearest snapshot up to its head are one range of this index instead of a walk up
+    # the parents, a probe of three indexes per checkpoint. The copies are only where to
+    # look: what they find is used only if it hashes to the checkpoint's state hash
+    # (``checkpoints.run_state``); else (a LangGraph branch, a rollback stored by an older
+    # version as a patch only) the parents are walked. Nullable: workers of the version
+    # before these columns, still running during a rolling deploy, write none.
     run_id = models.UUIDField(null=True)
     seq = models.IntegerField(null=True)
 

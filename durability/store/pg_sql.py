@@ -153,9 +153,10 @@ COMMIT_FIGURES = (
 # A run's state at its head (or at checkpoint ``seq``) in one round trip: the checkpoint with
 # what verifying it needs and its nearest snapshot by number (one index probe), then the
 # patches numbered after that snapshot up to it (one index range, in no promised order:
-# ``Store.head_chain`` sorts them). Those are its path unless a rollback (an empty patch on an
-# older checkpoint) lies between: the caller hashes them, and walks the parents
-# (``CHAIN_SQL``) when they do not lead to its state hash.
+# ``Store.head_chain`` sorts them). Those are its path unless a branch lies between (a
+# LangGraph fork in a thread; a rollback stored by an older version as a patch only, where a
+# rollback is now stored whole): the caller hashes them, and walks the parents (``CHAIN_SQL``)
+# when they do not lead to its state hash.
 # Its parent's chain hash (the one its own is linked to; stored on it once compaction removed
 # the parent) is a scalar subquery. Prepared once per session. Columns: the checkpoint's
 # (``base.HEAD_COLUMNS``), then the snapshot's checkpoint id, state, digest and state hash, on

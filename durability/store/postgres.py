@@ -189,9 +189,9 @@ class PostgresStore(Store):
 
     def head_chain(self, run_id: Any, seq: int | None = None) -> tuple[tuple | None, list[tuple]]:
         """In one prepared statement (``pg_sql.HEAD_PATH``): the patches numbered after the
-        nearest snapshot, which are the path unless a rollback or a LangGraph branch lies
-        between (``checkpoints.run_state`` then walks). An empty chain when there is no
-        snapshot by number."""
+        nearest snapshot, which are the path unless a branch lies between
+        (``checkpoints.run_state`` then walks). An empty chain when there is no snapshot by
+        number."""
         rows = self.fetch_all_prepared(pg_sql.HEAD_PATH, {"run": run_id, "seq": seq})
         head = next((row for row in rows if row[1] is not None), None)
         if head is None:
