@@ -13,7 +13,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
@@ -348,12 +348,6 @@ class Rebuilt:
     bytes_read: int
     deltas: int
     snapshot_id: int
-    # What ``verified_state`` checks the rebuild against: the snapshot's bytes, its digest
-    # and its checkpoint's state hash, and the patches applied after it, in order.
-    snapshot: str = ""
-    digest: str = ""
-    base_hash: str = ""
-    patches: list[str] = field(default_factory=list)
 
 
 def rebuild(checkpoint_id: int) -> Rebuilt:
@@ -365,7 +359,7 @@ def rebuild(checkpoint_id: int) -> Rebuilt:
 def _rebuilt(checkpoint_id: int, rows: list[tuple]) -> Rebuilt:
     if not rows:
         raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} does not exist")
-    first_id, snap, text, digest, base_hash = rows[0]
+    first_id, snap, text, _, _ = rows[0]
     if snap is None or text is None:
         raise IntegrityViolation(
             f"checkpoint id {first_id} has no snapshot ancestor; its history is incomplete"
@@ -373,28 +367,18 @@ def _rebuilt(checkpoint_id: int, rows: list[tuple]) -> Rebuilt:
     state = canonical.loads(text)
     read = len(text)
     ops: list = []
-    patches: list[str] = []
     for _, _, patch, _, _ in rows[1:]:
         if patch is None:
             raise IntegrityViolation(f"a checkpoint on the path to {checkpoint_id} lost its patch")
         read += len(patch)
-        patches.append(patch)
         ops.extend(canonical.loads(patch))
     # The patches' own shape (add, remove, replace with explicit indices) applied directly:
     # building jsonpatch's objects for a thousand deltas dominated a large run's page. The
     # same function proved, when each patch was written, that it reproduces its state byte
-    # for byte; ``verified_state`` checks the bytes read here against the hashes.
+    # for byte. A verified read (``run_state``, ``verified_state``) checks these bytes
+    # against the hashes before this parses them (``_hash_problem``).
     state = diff.apply_own(state, ops)
-    return Rebuilt(
-        state=state,
-        bytes_read=read,
-        deltas=len(rows) - 1,
-        snapshot_id=first_id,
-        snapshot=text,
-        digest=digest or "",
-        base_hash=base_hash,
-        patches=patches,
-    )
+    return Rebuilt(state=state, bytes_read=read, deltas=len(rows) - 1, snapshot_id=first_id)
 
 
 def checkpoint(run_id: Any, seq: int) -> Checkpoint:
