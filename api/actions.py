@@ -21,17 +21,40 @@ from api.schemas import (
     RunDetailOut,
 )
 from durability import operations, retention
-from durability.errors import InvalidInput, UnknownEffect
+from durability.errors import (
+    DurabilityError,
+    InvalidInput,
+    SchemaViolation,
+    StateNotJSON,
+    StateTooLarge,
+    UnknownCheckpoint,
+    UnknownEffect,
+)
 from durability.models import Effect, Run
 
 router = Router(tags=["actions"])
+
+# The request field each engine refusal is about (``common.fields``); a refused decision
+# names its field itself.
+ROLLBACK_FIELDS: dict[type[DurabilityError], str] = {
+    UnknownCheckpoint: "checkpoint",
+    InvalidInput: "checkpoint",  # off the current branch, with messages it cannot replay
+}
+FORK_FIELDS: dict[type[DurabilityError], str] = {
+    UnknownCheckpoint: "checkpoint",
+    SchemaViolation: "state",
+    StateNotJSON: "state",
+    StateTooLarge: "state",
+}
 
 
 def _decisions(raw: dict[str, str]) -> dict[int, str]:
     decided = {}
     for key, choice in raw.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 18:
-            raise InvalidInput(f"decisions: {key!r} is not an effect id")
+            refused = InvalidInput(f"decisions: {key!r} is not an effect id")
+            refused.field = "decisions"
+            raise refused
         decided[int(key)] = choice
     return decided
 
@@ -40,6 +63,8 @@ def _plan_out(plan: Any, *, dry_run: bool, decisions: dict[int, str], run: Run |
     return {
         "run_id": str(plan.run.id),
         "target": plan.target.seq,
+        # What a confirmation passes back as expected_head: the preview's own head.
+        "preview_head": plan.run.head_seq if dry_run else None,
         "dry_run": dry_run,
         "will_run_from": plan.will_run_from,
         "effects": [
@@ -75,7 +100,7 @@ def rollback(
     second decision (``decisions``)."""
     version = common.expected_version(if_match)
     decisions = _decisions(body.decisions)
-    with common.acting_as(request) as by:
+    with common.acting_as(request) as by, common.fields(ROLLBACK_FIELDS):
         if body.dry_run:
             plan = operations.plan_rollback(run_id[:64], body.checkpoint)
             return _plan_out(plan, dry_run=True, decisions=decisions, run=None)
@@ -86,6 +111,8 @@ def rollback(
             reason=body.reason,
             and_continue=body.and_continue,
             decisions=decisions,
+            expected_head=body.expected_head,
+            expected_status=body.expected_status,
             expected_version=version,
         )
     run = Run.objects.get(pk=done.run.pk)
@@ -98,7 +125,7 @@ def fork(request: HttpRequest, run_id: str, body: ForkIn, response: HttpResponse
     """A new run from a checkpoint, optionally with an edited state (validated against the
     agent's schema; redacted values mean "unchanged"). ``what_if`` reuses recorded calls
     the edit did not change and records effects instead of running them."""
-    with common.acting_as(request) as by:
+    with common.acting_as(request) as by, common.fields(FORK_FIELDS):
         run = operations.fork(
             run_id[:64],
             body.checkpoint,
@@ -113,10 +140,21 @@ def fork(request: HttpRequest, run_id: str, body: ForkIn, response: HttpResponse
 
 
 @router.post("/runs/{run_id}/hold", response={200: RunDetailOut, **ACT}, summary="Legal hold")
-def hold(request: HttpRequest, run_id: str, body: HoldIn):
-    """Put a run on legal hold (never pruned or compacted), or release it."""
+def hold(
+    request: HttpRequest,
+    run_id: str,
+    body: HoldIn,
+    if_match: str | None = Header(None, alias="If-Match", max_length=40),
+):
+    """Put a run on legal hold (never pruned or compacted), or release it. The request says
+    which, so a repeat changes nothing. A hold leaves the run's version as it was: a worker
+    executing the run holds that version and keeps working. With ``If-Match``, refused (409,
+    DUR112) if the run moved on."""
+    version = common.expected_version(if_match)
     with common.acting_as(request) as by:
-        run = retention.hold(run_id[:64], on=body.hold, by=by, reason=body.reason)
+        run = retention.hold(
+            run_id[:64], on=body.hold, by=by, reason=body.reason, expected_version=version
+        )
     return present.run_detail(Run.objects.get(pk=run.pk))
 
 

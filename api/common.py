@@ -7,13 +7,14 @@ import contextlib
 import re
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.http import HttpRequest
 
 from api.problems import Problem
 from durability import acting, roles
+from durability.errors import DurabilityError
 
 _ETAG = re.compile(r'^\s*(?:W/)?"?(\d{1,18})"?\s*$')
 
@@ -35,6 +36,19 @@ def acting_as(request: HttpRequest) -> Iterator[str]:
     user = operator(request)
     with acting.via(request.auth.label):
         yield user.get_username()
+
+
+@contextlib.contextmanager
+def fields(by_error: dict[type[DurabilityError], str]) -> Iterator[None]:
+    """Name the request field an engine refusal is about, by the refusal's exact class: the
+    engine is called by the CLI and the pages too, and knows its parameters, not this
+    endpoint's fields."""
+    try:
+        yield
+    except DurabilityError as exc:
+        if not exc.field and type(exc) in by_error:
+            exc.field = by_error[type(exc)]
+        raise
 
 
 def expected_version(if_match: str | None) -> int | None:
@@ -65,6 +79,25 @@ def idempotency_key(value: str | None) -> str:
     return key
 
 
+def instant(value: datetime, field: str) -> datetime:
+    """``value`` in UTC (a time without an offset is taken as UTC). Python accepts offsets
+    up to 23:59 and any year from 1 to 9999 in any zone; PostgreSQL refuses offsets beyond
+    15:59, and the year may leave that range once moved to UTC: both are a 422, not a 500."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    offset = value.utcoffset()
+    if offset is not None and abs(offset.total_seconds()) > 15 * 3600 + 59 * 60:
+        raise Problem(
+            422, "API422", f"{field}: a UTC offset is at most 15:59 either way", field=field
+        )
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise Problem(
+            422, "API422", f"{field}: the time is outside years 1 to 9999 in UTC", field=field
+        ) from None
+
+
 def encode_cursor(created_at: datetime, run_id: Any) -> str:
     raw = f"{created_at.isoformat()}|{run_id}"
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
@@ -76,7 +109,7 @@ def decode_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
         when, _, ident = raw.partition("|")
-        return datetime.fromisoformat(when), uuid.UUID(ident)
+        return instant(datetime.fromisoformat(when), "cursor"), uuid.UUID(ident)
     except (ValueError, UnicodeDecodeError):
         raise Problem(
             422, "API422", "cursor is not one this list gave out", field="cursor"

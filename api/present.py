@@ -44,6 +44,7 @@ def run(r: Run) -> dict[str, Any]:
         "attempts": r.attempts,
         "recoveries": r.recoveries,
         "durability": r.durability,
+        "legal_hold": r.legal_hold,
         "created_by": r.created_by,
         "created_at": r.created_at,
         "updated_at": r.updated_at,

@@ -6,6 +6,7 @@ refuses with a coded error that changed nothing), so a client may correct and re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -27,6 +28,7 @@ from durability.errors import (
 )
 
 MEDIA_TYPE = "application/problem+json"
+log = logging.getLogger(__name__)
 
 # Most specific first: the first class an error is an instance of gives its status.
 STATUS: list[tuple[type[DurabilityError], int]] = [
@@ -158,7 +160,20 @@ def from_404(request: HttpRequest, exc: Http404) -> HttpResponse:
     return response(404, "API404", "no such resource")
 
 
+def from_unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
+    """A bug, not the caller's fault: logged whole, and answered in the format every other
+    reply has, without the traceback (it may quote data the caller may not see)."""
+    log.exception("API %s %s failed", request.method, request.path)
+    return response(
+        500,
+        "API500",
+        "The server failed to answer this request; nothing is known to have changed, but check"
+        " before retrying an action. The failure is in the server's log.",
+    )
+
+
 def install(api: Any) -> None:
+    api.add_exception_handler(Exception, from_unexpected)
     api.add_exception_handler(DurabilityError, from_engine)
     api.add_exception_handler(Problem, from_problem)
     api.add_exception_handler(ValidationError, from_validation)

@@ -5,40 +5,64 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Literal
 
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from ninja import Header, Query, Router, Status
 
-from api import common, present
+from api import common, present, schemas
 from api.schemas import (
+    ActIn,
     MessageIn,
     MessageOut,
     ProblemOut,
-    ReasonIn,
     RunDetailOut,
     RunPage,
     StartIn,
 )
 from durability import operations
+from durability.errors import (
+    DurabilityError,
+    IdempotencyConflict,
+    InvalidInput,
+    SchemaViolation,
+    StateNotJSON,
+    StateTooLarge,
+    UnknownAgent,
+)
 from durability.models import Message, Run, RunStatus
 
 router = Router(tags=["runs"])
 
+# The request field each engine refusal of these actions is about (``common.fields``).
+START_FIELDS: dict[type[DurabilityError], str] = {
+    UnknownAgent: "agent",
+    SchemaViolation: "input",
+    StateNotJSON: "input",
+    StateTooLarge: "input",
+    IdempotencyConflict: "Idempotency-Key",
+    InvalidInput: "durability",  # the one plain refusal left once the key's length is checked
+}
+SEND_FIELDS: dict[type[DurabilityError], str] = {
+    IdempotencyConflict: "Idempotency-Key",
+    StateNotJSON: "data",
+    StateTooLarge: "data",
+}
+
 READ = {401: ProblemOut, 403: ProblemOut, 404: ProblemOut, 422: ProblemOut, 429: ProblemOut}
 # 400: a body that is not JSON at all (one that is JSON but not of the schema is a 422).
 ACT = {**READ, 400: ProblemOut, 409: ProblemOut}
-RunState = Literal[tuple(RunStatus.values)]  # type: ignore[valid-type]
 
 
 @router.get("/runs", response={200: RunPage, **READ}, summary="List runs, newest first")
 def list_runs(
     request: HttpRequest,
     agent: str | None = Query(None, max_length=200),
-    status: RunState | None = None,
+    status: schemas.RunState | None = None,
     outcome: str | None = Query(None, max_length=120),
-    since: datetime | None = Query(None, description="created at or after (ISO 8601)"),
+    since: datetime | None = Query(
+        None, description="created at or after (ISO 8601; without an offset: UTC)"
+    ),
     q: str | None = Query(None, max_length=200, description="a run id prefix, or input text"),
     cursor: str | None = Query(None, max_length=200),
     limit: int = Query(50, ge=1, le=200),
@@ -52,7 +76,7 @@ def list_runs(
     if outcome:
         runs = runs.filter(outcome=outcome, status=RunStatus.SUCCEEDED)
     if since is not None:
-        runs = runs.filter(created_at__gte=since)
+        runs = runs.filter(created_at__gte=common.instant(since, "since"))
     if q:
         runs = runs.filter(_search(q.strip()))
     after = common.decode_cursor(cursor)
@@ -102,7 +126,7 @@ def start_run(
     (200); the same key with another agent or input is refused (409, DUR115)."""
     key = common.idempotency_key(idempotency_key)
     again = bool(key) and Run.objects.filter(idempotency_key=key).exists()
-    with common.acting_as(request) as by:
+    with common.acting_as(request) as by, common.fields(START_FIELDS):
         run = operations.start(
             body.agent,
             body.input,
@@ -126,15 +150,22 @@ def _acted(response: HttpResponse, run: Run):
 def resume_run(
     request: HttpRequest,
     run_id: str,
-    body: ReasonIn,
+    body: ActIn,
     response: HttpResponse,
     if_match: str | None = Header(None, alias="If-Match", max_length=40),
 ):
     """Queue a failed, cancelled or held run again from its head checkpoint. With
-    ``If-Match`` (the run's ``ETag``), refused (409, DUR112) if the run moved on."""
+    ``If-Match`` (the run's ``ETag``) or ``expected_status``, refused (409, DUR112) if the
+    run moved on."""
     version = common.expected_version(if_match)
     with common.acting_as(request) as by:
-        run = operations.resume(run_id[:64], by=by, reason=body.reason, expected_version=version)
+        run = operations.resume(
+            run_id[:64],
+            by=by,
+            reason=body.reason,
+            expected_status=body.expected_status,
+            expected_version=version,
+        )
     return _acted(response, run)
 
 
@@ -142,14 +173,21 @@ def resume_run(
 def cancel_run(
     request: HttpRequest,
     run_id: str,
-    body: ReasonIn,
+    body: ActIn,
     response: HttpResponse,
     if_match: str | None = Header(None, alias="If-Match", max_length=40),
 ):
-    """Stop a run for good, with its unfinished child runs."""
+    """Stop a run for good, with its unfinished child runs. With ``If-Match`` or
+    ``expected_status``, refused (409, DUR112) if the run moved on."""
     version = common.expected_version(if_match)
     with common.acting_as(request) as by:
-        run = operations.cancel(run_id[:64], by=by, reason=body.reason, expected_version=version)
+        run = operations.cancel(
+            run_id[:64],
+            by=by,
+            reason=body.reason,
+            expected_status=body.expected_status,
+            expected_version=version,
+        )
     return _acted(response, run)
 
 
@@ -169,7 +207,7 @@ def send_message(
     (409, DUR115)."""
     key = common.idempotency_key(idempotency_key)
     version = common.expected_version(if_match)
-    with common.acting_as(request) as by:
+    with common.acting_as(request) as by, common.fields(SEND_FIELDS):
         run = operations.get_run(run_id[:64])
         again = bool(key) and Message.objects.filter(run=run, idempotency_key=key).exists()
         message = operations.send(

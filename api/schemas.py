@@ -4,10 +4,12 @@ publishes and what every request body is validated against before the engine is 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from ninja import Field, Schema
 from pydantic import AfterValidator
+
+from durability.models import RunStatus
 
 JSON = Any  # any JSON value
 
@@ -56,6 +58,7 @@ class RunOut(Schema):
     attempts: int
     recoveries: int
     durability: str
+    legal_hold: bool = Field(..., description="kept whole: never pruned or compacted")
     created_by: str
     created_at: datetime
     updated_at: datetime
@@ -134,8 +137,18 @@ class StartIn(Schema):
     durability: Text | None = Field(None, max_length=20)
 
 
+RunState = Literal[tuple(RunStatus.values)]  # type: ignore[valid-type]
+EXPECTED_STATUS = (
+    "the run's status as the caller saw it: refused (409, DUR112) if it is another now"
+)
+
+
 class ReasonIn(Schema):
     reason: Text = Field("", max_length=2000)
+
+
+class ActIn(ReasonIn):
+    expected_status: RunState | None = Field(None, description=EXPECTED_STATUS)
 
 
 class ApprovalOut(Schema):
@@ -244,6 +257,14 @@ class RollbackIn(Schema):
         default_factory=dict,
         description="effect id -> ask, reuse, again or compensate (default: ask)",
     )
+    expected_head: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description="the head checkpoint the preview was read at: refused (409, DUR112) if"
+        " the run moved on since, so that nothing is undone that the preview did not show",
+    )
+    expected_status: RunState | None = Field(None, description=EXPECTED_STATUS)
 
 
 class EffectDoneOut(Schema):
@@ -259,6 +280,11 @@ class EffectDoneOut(Schema):
 class RollbackOut(Schema):
     run_id: str
     target: int
+    preview_head: int | None = Field(
+        None,
+        description="a preview's: the head it was read at; send it as expected_head to roll"
+        " back only if nothing happened since",
+    )
     dry_run: bool
     will_run_from: str
     effects: list[EffectDoneOut]

@@ -116,9 +116,13 @@ def _event_item(e: Event) -> Item:
         reason=e.reason,
         worker=e.worker,
     )
+    data = canonical.loads_object(e.data)
     describe = DESCRIBE.get(e.kind)
     if describe is not None:
-        describe(item, e, canonical.loads_object(e.data))
+        describe(item, e, data)
+    if isinstance(data.get("via"), str) and data["via"]:
+        # An action taken through the API names the token it was taken with.
+        item.facts.append(("via", data["via"]))
     _commit_latency(item, e)
     item.tone = _tone(e)
     return item

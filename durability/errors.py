@@ -17,6 +17,8 @@ class DurabilityError(Exception):
     """Base of every error the engine raises on purpose."""
 
     code = "DUR000"
+    # The input at fault, in the caller's terms (an API field, a form field), where one is.
+    field = ""
 
     def __init__(self, message: str, *, run_id: object | None = None) -> None:
         self.message = message

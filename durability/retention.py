@@ -274,12 +274,22 @@ def _compact(run: Run, removable: list[int]) -> bool:
     return True
 
 
-def hold(ref: Any, *, on: bool = True, by: str = "", reason: str = "") -> Run:
-    """Put a run on legal hold (never pruned or compacted) or release it."""
-    from durability.operations import _locked
+def hold(
+    ref: Any,
+    *,
+    on: bool = True,
+    by: str = "",
+    reason: str = "",
+    expected_version: int | None = None,
+) -> Run:
+    """Put a run on legal hold (never pruned or compacted) or release it. The run's version
+    stays as it is: the hold is no transition, and a worker executing the run keeps its
+    lease. ``expected_version``: refused (``Stale``) if the run moved on since."""
+    from durability.operations._runs import _check_version, _locked
 
     with transaction.atomic():
         run = _locked(ref)
+        _check_version(run, expected_version)
         Run.objects.filter(pk=run.pk).update(legal_hold=on)
         run.legal_hold = on
         events.record(events.legal_hold(run, by=by, reason=reason, on=on))

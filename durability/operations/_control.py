@@ -71,20 +71,41 @@ def cancel(
     *,
     by: str = "",
     reason: str = "",
+    expected_status: str | None = None,
     expected_version: int | None = None,
 ) -> Run:
     """Stop a run for good, and its unfinished child runs with it. A worker executing it is
-    fenced out at its next write. ``expected_version``: the version the operator saw; refused
-    (``Stale``) if it moved on, e.g. a colleague resumed the run after this cancel landed."""
+    fenced out at its next write. ``expected_status`` and ``expected_version``: the status
+    and version the operator saw; refused (``Stale``) if either changed, e.g. a colleague
+    resumed the run after this cancel landed."""
     with transaction.atomic():
-        run = _cancel_tree(ref, by=by, reason=reason, expected_version=expected_version)
+        run = _cancel_tree(
+            ref,
+            by=by,
+            reason=reason,
+            expected_status=expected_status,
+            expected_version=expected_version,
+        )
     wake_parent(run)
     return run
 
 
-def _cancel_tree(ref: Any, *, by: str, reason: str, expected_version: int | None = None) -> Run:
+def _cancel_tree(
+    ref: Any,
+    *,
+    by: str,
+    reason: str,
+    expected_status: str | None = None,
+    expected_version: int | None = None,
+) -> Run:
     """Cancel a run and every unfinished descendant, inside the caller's transaction."""
-    run = _cancel_one(ref, by=by, reason=reason, expected_version=expected_version)
+    run = _cancel_one(
+        ref,
+        by=by,
+        reason=reason,
+        expected_status=expected_status,
+        expected_version=expected_version,
+    )
     pending = [run.id]
     while pending:
         children = list(Run.objects.filter(parent_run_id__in=pending).exclude(status__in=FINISHED))
@@ -94,10 +115,18 @@ def _cancel_tree(ref: Any, *, by: str, reason: str, expected_version: int | None
     return run
 
 
-def _cancel_one(ref: Any, *, by: str, reason: str, expected_version: int | None = None) -> Run:
+def _cancel_one(
+    ref: Any,
+    *,
+    by: str,
+    reason: str,
+    expected_status: str | None = None,
+    expected_version: int | None = None,
+) -> Run:
     """Inside the caller's transaction."""
     run = _locked(ref)
     refuse_outside_workers(run, "cancel it")
+    _check_status(run, expected_status)
     if run.status in FINISHED:
         raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
     _check_version(run, expected_version)
