@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import requests
 from django.contrib.auth import get_user_model
 
 from api import tokens
+from durability import END, Agent, registry
 from tests.dashboard_helpers import make_user
 
 GROUP = "finance"  # the policy group of approvals under test
@@ -30,6 +32,23 @@ READERS = {
     "superuser",
 }
 ACTORS = {"operator outside the policy group", "operator in the policy group", "superuser"}
+
+
+@pytest.fixture
+def verdict_agent():
+    """A second agent, besides dash-chain, that ends at once: with the outcome its input
+    names, or failed when its input asks for it. Filters by agent and outcome, and figures
+    per agent, need runs they must leave out."""
+    agent = Agent("api-verdict", version="1")
+
+    @agent.step(start=True)
+    def judge(state: dict, ctx: Any) -> Any:
+        if state.get("fail"):
+            raise ValueError("the verdict service answered nonsense")
+        return END(state["verdict"])
+
+    yield agent.name
+    registry.unregister(agent.name)
 
 
 def user_with(role: str, username: str) -> Any:

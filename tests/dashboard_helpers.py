@@ -17,7 +17,7 @@ from django.test import Client
 
 from dashboard.permissions import OPERATORS, VIEWERS
 from durability import END, Agent, operations, registry
-from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run
+from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Message, Run
 from durability.testing import drive
 
 PASSWORD = "correct horse battery staple"
@@ -162,13 +162,18 @@ def finished_run(question: str = "What is a lease?") -> Run:
     return drive(run.id)
 
 
-def counts() -> dict[str, int]:
-    """Rows the engine keeps; an action that was refused must leave them all as they were."""
-    models = (Run, Checkpoint, Event, Approval, Effect, JournalEntry)
+def counts() -> dict[str, Any]:
+    """Rows the engine keeps, and what an action changes in place; an action that was refused
+    must leave them all as they were. Row counts alone would miss a hold set, an effect
+    resolved or a run's version bumped without a new row."""
+    models = (Run, Checkpoint, Event, Approval, Effect, JournalEntry, Message)
+    runs = Run.objects.values_list(
+        "id", "status", "wait_reason", "head_seq", "lease_token", "legal_hold"
+    )
     return {m.__name__: m.objects.count() for m in models} | {
-        "decided": Approval.objects.exclude(status="pending").count(),
-        "heads": sum(Run.objects.values_list("head_seq", flat=True)),
-        "statuses": ",".join(sorted(Run.objects.values_list("status", flat=True))),
+        "runs": sorted(runs),
+        "effects": sorted(Effect.objects.values_list("id", "status")),
+        "approvals": sorted(Approval.objects.values_list("id", "status")),
     }
 
 
