@@ -29,7 +29,7 @@ __all__ = ["dash_agents"]
 # role: the whole module must stay well inside the suite's time budget. The embedded default
 # runs it in the smoke subset, which has a budget of its own: fewer examples there, over the
 # same operations and roles.
-EXAMPLES = 6 if connection.vendor == "postgresql" else 2
+EXAMPLES = 4 if connection.vendor == "postgresql" else 2
 CONFIG = SchemathesisConfig.from_dict(
     {
         "phases": {"examples": {"enabled": False}, "coverage": {"enabled": False}},
