@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import orjson
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
@@ -172,8 +173,22 @@ def from_unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     )
 
 
+def from_database(request: HttpRequest, exc: Exception) -> HttpResponse:
+    """The database away or not answering in time: the caller's to retry, not a bug."""
+    log.warning("API %s %s: the database did not answer: %s", request.method, request.path, exc)
+    return response(
+        503,
+        "API503",
+        "The database cannot be reached or did not answer in time; retry in a moment. An"
+        " action retried with the same If-Match or Idempotency-Key happens at most once.",
+        headers={"Retry-After": "5"},
+    )
+
+
 def install(api: Any) -> None:
     api.add_exception_handler(Exception, from_unexpected)
+    api.add_exception_handler(OperationalError, from_database)
+    api.add_exception_handler(InterfaceError, from_database)
     api.add_exception_handler(DurabilityError, from_engine)
     api.add_exception_handler(Problem, from_problem)
     api.add_exception_handler(ValidationError, from_validation)

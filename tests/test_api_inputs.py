@@ -158,3 +158,19 @@ def test_the_audit_log_names_the_token_an_action_was_taken_with(ops, operator_us
     assert "omar" in row and "via api token &#x27;deploy-bot&#x27;" in row, row
     timeline = page.get(f"/runs/{run.id}/").content.decode()
     assert "api token &#x27;deploy-bot&#x27;" in timeline
+
+
+def test_a_database_that_does_not_answer_is_a_503_to_retry_and_a_bug_a_500_without_traceback():
+    from django.db import OperationalError
+    from django.test import RequestFactory
+
+    from api.api import api
+
+    request = RequestFactory().get("/api/v1/runs")
+    away = api.on_exception(request, OperationalError("connection refused"))
+    assert away.status_code == 503 and away["Retry-After"] == "5"
+    assert away["Content-Type"] == "application/problem+json"
+    assert b'"code":"API503"' in away.content
+    bug = api.on_exception(request, KeyError("secret-looking detail"))
+    assert bug.status_code == 500 and b'"code":"API500"' in bug.content
+    assert b"secret-looking" not in bug.content and b"Traceback" not in bug.content
