@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
-from django.db import connection
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
@@ -22,14 +21,14 @@ from durability.models import Approval, Effect
 from tests.api_helpers import ROLES, api_for, user_with
 from tests.dashboard_helpers import counts, dash_agents, waiting_run
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
+# PostgreSQL only: the tests of each role and operation (test_api*.py) run on the embedded
+# default too, and the generated requests reach the same endpoints and engine there.
+pytestmark = pytest.mark.django_db(transaction=True)
 __all__ = ["dash_agents"]
 
 # The generating phase only, valid and invalid input both, a few examples per operation and
-# role: the whole module must stay well inside the suite's time budget. The embedded default
-# runs it in the smoke subset, which has a budget of its own: fewer examples there, over the
-# same operations and roles.
-EXAMPLES = 4 if connection.vendor == "postgresql" else 2
+# role: the whole module must stay well inside the suite's time budget.
+EXAMPLES = 4
 CONFIG = SchemathesisConfig.from_dict(
     {
         "phases": {"examples": {"enabled": False}, "coverage": {"enabled": False}},
