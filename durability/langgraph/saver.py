@@ -199,9 +199,10 @@ class DurableSaver(BaseCheckpointSaver[int]):
         else:
             with self._lock:
                 write(connection)
-        seq = self._head_seq.get(thread.pk, 0)
-        if report := self._status.writes(thread, checkpoint_id, writes, task_path, seq, task_id):
-            self._call(report)
+        last, seq = self._last.get(thread.pk), self._head_seq.get(thread.pk, 0)
+        here = last is not None and last.lg_id == checkpoint_id  # read or put by this saver
+        if r := self._status.writes(thread, checkpoint_id, writes, task_path, seq, task_id, here):
+            self._call(r)
 
     def get_next_version(self, current: int | None, channel: None = None) -> int:
         """Integer versions: each checkpoint keeps its own channel values, so versions need

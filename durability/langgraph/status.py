@@ -124,20 +124,26 @@ class Reporter:
         task_path: str,
         seq: int,
         task_id: str = "",
+        stored: bool = False,
     ) -> Callable | None:
         """After a task's writes on checkpoint ``lg_id``: a report for an interrupt or an
         error, if any, once that checkpoint is the latest. ``seq``: the run's head as the
-        saver knows it, for a thread it has put nothing on (a graph taken up again)."""
+        saver knows it; ``stored``: ``lg_id`` is the checkpoint the saver last read or put
+        on this thread (a graph taken up again, in a process that has put nothing yet)."""
         stop = _stop(writes, task_path)
         if stop is None:
             return None
         with self._lock:
-            return self._writes(thread, lg_id, stop, seq, task_id or task_path)
+            return self._writes(thread, lg_id, stop, seq, task_id or task_path, stored)
 
     def _writes(
-        self, thread: Thread, lg_id: str, stop: tuple[str, str], seq: int, task: str
+        self, thread: Thread, lg_id: str, stop: tuple[str, str], seq: int, task: str, stored: bool
     ) -> Callable | None:
-        latest, seq = self._latest.setdefault(thread.pk, (lg_id, seq))
+        if thread.pk not in self._latest and stored:
+            self._latest[thread.pk] = (lg_id, seq)
+        # Else, with nothing put yet, the writes may be ahead of their checkpoint (LangGraph's
+        # "async" durability puts checkpoints behind the supersteps): they count once it is.
+        latest, seq = self._latest.get(thread.pk, ("", seq))
         if lg_id < latest:
             return None
         found = self._stops.setdefault(thread.pk, {}).setdefault(lg_id, {})
