@@ -52,9 +52,7 @@ def _decisions(raw: dict[str, str]) -> dict[int, str]:
     decided = {}
     for key, choice in raw.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 18:
-            refused = InvalidInput(f"decisions: {key!r} is not an effect id")
-            refused.field = "decisions"
-            raise refused
+            raise InvalidInput(f"decisions: {key!r} is not an effect id", field="decisions")
         decided[int(key)] = choice
     return decided
 

@@ -112,7 +112,7 @@ def from_engine(request: HttpRequest, exc: DurabilityError) -> HttpResponse:
         status_of(exc),
         exc.code,
         exc.message,
-        field=getattr(exc, "field", "") or "",
+        field=exc.field,
         run_id=exc.run_id,
     )
 

@@ -44,10 +44,6 @@ class EditRefused(InvalidInput):
 
     code = "DUR113"
 
-    def __init__(self, message: str, *, run_id: object | None = None, field: str = "") -> None:
-        super().__init__(message, run_id=run_id)
-        self.field = field
-
 
 # --- when the agent asks ---------------------------------------------------------------------
 

@@ -20,9 +20,11 @@ class DurabilityError(Exception):
     # The input at fault, in the caller's terms (an API field, a form field), where one is.
     field = ""
 
-    def __init__(self, message: str, *, run_id: object | None = None) -> None:
+    def __init__(self, message: str, *, run_id: object | None = None, field: str = "") -> None:
         self.message = message
         self.run_id = run_id
+        if field:
+            self.field = field
         super().__init__(message)
 
     def __str__(self) -> str:

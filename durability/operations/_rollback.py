@@ -252,9 +252,7 @@ def rollback(
         try:
             chosen = rollbacks.check_decisions(plan.done_not_undone, decisions or {})
         except ValueError as exc:
-            refused = InvalidInput(str(exc), run_id=run.id)
-            refused.field = "decisions"
-            raise refused from None
+            raise InvalidInput(str(exc), run_id=run.id, field="decisions") from None
         cp = _new_head(run, plan.target, by)
         returned = _leave_branch(run, plan, cp, chosen, by)
         finished = not plan.target.next_step
