@@ -15,7 +15,7 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
-from durability import operations
+from durability import canonical, operations, redact
 from durability.langgraph import DurableSaver
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run
@@ -299,6 +299,29 @@ def test_a_number_changing_type_is_stored_exactly():
     assert [type(x) for x in fresh.get_state(a).values["nums"]] == [int, float]
     (report,) = operations.verify(run_of(a).id)
     assert report.ok, str(report)
+
+
+def test_pending_writes_are_stored_as_sent_and_pass_the_redaction_gate():
+    """A task's writes go to the database in one parameter: each value's canonical text must
+    arrive unchanged (quotes, backslashes, control characters, any script), and a secret in
+    one must meet the same redaction gate as any text the product writes."""
+    saver = DurableSaver()
+    thread = uuid.uuid4().hex
+    cfg = {"configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": "1"}}
+    tricky = 'a "quote", a back\\slash, a tab\t, a line\n, \u00e9, \U0001f600, </script>'
+    secret = "sk-live-4f9c2d7e8a1b3c5d"
+    with redact.scope({secret}):
+        saver.put_writes(
+            cfg, [("tricky", tricky), ("token", {"header": f"Bearer {secret}"})], "task", "~p"
+        )
+    rows = PendingWrite.objects.filter(thread__thread_id=thread).order_by("idx")
+    assert [(w.idx, w.channel, w.task_id, w.task_path) for w in rows] == [
+        (0, "tricky", "task", "~p"),
+        (1, "token", "task", "~p"),
+    ]
+    assert rows[0].value == canonical.dumps(tricky).decode()
+    assert secret not in rows[1].value
+    assert canonical.loads(rows[1].value) == {"header": f"Bearer {redact.REDACTED}"}
 
 
 def test_relaxed_durability_stores_the_same_checkpoints():

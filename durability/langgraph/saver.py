@@ -24,18 +24,15 @@ turns) meets three of its four targets: bytes stored (0.06x, target 0.1x), ``lis
   0.7 ms in the constructors; PostgresSaver's decoding builds them the same way, from
   every field). In CPU time the two are about even (2.5 to 3 ms each): the hash checks
   here cost about what building the messages from fewer fields saves.
-- Overhead per superstep: 0.35x to 0.41x PostgresSaver's over ten runs (median 0.37x),
-  target 0.33x: not met. The benchmark's reference saver, which keeps each checkpoint in
-  memory and writes one flushed 1 KB row, costs 0.09x to 0.10x: LangGraph's own share is
-  small, the gap is this saver's. Inside a run ``put`` takes 1.0 to 1.3 ms: its statement
-  0.7 to 0.8 ms (five rows, ten index entries, the flush; ``durability="relaxed"`` gains
-  little: 0.32x to 0.38x), encoding, the diff, the proof and the hashes about 0.3 ms, a
-  thread's first checkpoint making its run about 0.1 ms a superstep. The writes' statement
-  (0.3 ms alone, not flushed) runs beside it on its own connection and costs the superstep
-  about 0.3 ms on two cores. Folding writes into the next checkpoint's statement would save
-  that, but writes whose checkpoint never comes (an interrupt, a ``Send`` stored by
-  ``update_state``) would then be lost by a crash; fewer rows per checkpoint (its event,
-  its LangGraph ids) is the other way left.
+- Overhead per superstep: 0.31x to 0.37x PostgresSaver's (median 0.35x), target 0.33x: on
+  the line, not met with margin (docs/performance.md). All the threads share one
+  interpreter lock, so CPU is what counts: ``put`` takes about 0.3 ms of CPU (encoding, the
+  diff, the proof, the hashes, psycopg) and waits about 0.35 ms for its statement (five
+  rows; ``durability="relaxed"`` gains little, so the flush is not the cost); the writes'
+  statement (about 0.1 ms of CPU, not flushed) runs beside it on its own connection.
+  Folding writes into the next checkpoint's statement was measured no faster: LangGraph
+  does not wait for writes between supersteps. A new thread costs one transaction for its
+  run; its status is written only when it changes (``status``), once when the graph ends.
 """
 
 from __future__ import annotations
@@ -538,6 +535,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 return None
             self._threads[key] = thread
             self._head_seq[thread.pk] = thread.run.head_seq
+            self._status.known(thread)
         return thread
 
     def _known(self, thread_id: str, ns: str) -> Thread:

@@ -33,7 +33,7 @@ from durability import events, lifecycle
 from durability.errors import StepError
 from durability.langgraph.models import Thread
 from durability.langgraph.runs import outside_workers
-from durability.models import Run
+from durability.models import Run, RunStatus
 from durability.redact import redact
 from durability.store.reconnect import drop
 
@@ -98,6 +98,20 @@ class Reporter:
         # thread -> checkpoint id -> task id -> (kind, text): every task of a superstep may
         # stop it (parallel branches each calling ``interrupt()``).
         self._stops: dict[int, dict[str, dict[str, tuple[str, str]]]] = {}
+
+    def known(self, thread: Thread) -> None:
+        """What ``thread``'s run (loaded with it) says and whether the workers execute it, so
+        that a report that would change nothing (a new thread's first checkpoint: its run
+        was made waiting for the graph to go on) costs neither a query nor a transaction."""
+        run = thread.run
+        with self._lock:
+            self._outside[thread.pk] = outside_workers(run, has_thread=True)
+            if thread.pk in self._said:
+                return
+            if run.status == RunStatus.WAITING and run.wait_detail == MID_RUN:
+                self._said[thread.pk] = f"wait:{MID_RUN}"
+            elif run.status == RunStatus.SUCCEEDED:
+                self._said[thread.pk] = "end:"
 
     def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
         """After checkpoint ``lg_id`` (``values``: its channel values): the report to write

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import orjson
 from django.db import transaction
 
 from durability import canonical
@@ -160,9 +161,9 @@ class PostgresLangGraph(LangGraphStore):
                 "checkpoint": checkpoint_id,
                 "task": task_id,
                 "path": task_path,
-                "idx": [r[0] for r in rows],
-                "channel": [r[1] for r in rows],
-                "value": [r[2].decode() for r in rows],
+                # Each value's canonical bytes go in as they are (``orjson.Fragment``), so
+                # they are escaped once, as the redaction gate expects of a text.
+                "rows": orjson.dumps([[i, c, orjson.Fragment(v)] for i, c, v in rows]).decode(),
             },
         )
 
