@@ -181,8 +181,11 @@ def apply(document: Any, ops: list[dict[str, Any]]) -> Any:
     return jsonpatch.apply_patch(document, ops, in_place=True)
 
 
-def apply_own(document: Any, ops: list[dict[str, Any]]) -> Any:
-    """Apply ops that ``diff`` made (add, remove, replace; numeric list indices) in place.
+def apply_own(document: Any, ops: list[dict[str, Any]], *, shared: bool = False) -> Any:
+    """Apply ops that ``diff`` made (add, remove, replace; numeric list indices) and return
+    the result: in place, or with ``shared`` leaving ``document`` as it is (each list and
+    object an operation changes is copied first, once per call, so the result shares every
+    part the patch does not touch with ``document``).
 
     Building jsonpatch's operation and pointer objects costs more than the rest of a small
     step's bookkeeping, and dominated rebuilding a state from a thousand patches. The
@@ -190,6 +193,9 @@ def apply_own(document: Any, ops: list[dict[str, Any]]) -> Any:
     the step's state byte for byte; rehydration rebuilds with the same function, so it gets
     the state that was proven. ``verify`` applies patches with ``apply`` (the library)
     instead, and compares the result with every snapshot: a second opinion."""
+    # The containers this call copied, by id. The caller's own stay alive with ``document``
+    # and ``ops``, so none of theirs can take an id that is here.
+    made: set[int] = set()
     for op in ops:
         path = op["path"]
         if not path:
@@ -198,9 +204,15 @@ def apply_own(document: Any, ops: list[dict[str, Any]]) -> Any:
             document = op["value"]
             continue
         parts = path.split("/")[1:]
+        if shared and id(document) not in made:
+            document = _copied(document, made)
         parent = document
         for part in parts[:-1]:
-            parent = parent[int(part)] if type(parent) is list else parent[unescape(part)]
+            key: Any = int(part) if type(parent) is list else unescape(part)
+            child = parent[key]
+            if shared and id(child) not in made:
+                child = parent[key] = _copied(child, made)
+            parent = child
         last = parts[-1]
         kind = op["op"]
         if type(parent) is list:
@@ -218,3 +230,9 @@ def apply_own(document: Any, ops: list[dict[str, Any]]) -> Any:
             else:
                 parent[key] = op["value"]
     return document
+
+
+def _copied(container: Any, made: set[int]) -> Any:
+    copy = list(container) if type(container) is list else dict(container)
+    made.add(id(copy))
+    return copy

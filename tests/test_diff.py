@@ -134,3 +134,31 @@ def test_the_hot_path_applier_agrees_with_jsonpatch(old, new):
         own = diff.apply_own(copy.deepcopy(old), copy.deepcopy(ops))
         library = diff.apply(copy.deepcopy(old), ops)
         assert canonical.dumps(own) == canonical.dumps(library)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.dictionaries(keys, documents, max_size=6), st.dictionaries(keys, documents, max_size=6))
+def test_applying_to_a_shared_document_leaves_it_and_the_patch_as_they_were(old, new):
+    """``shared=True`` (a LangGraph saver's documents, whose messages the next state shares):
+    the same result as applying in place, with the document and the operations untouched."""
+    for strict in (False, True):
+        ops = canonical.loads(canonical.dumps(diff.diff(old, new, strict=strict)))
+        before, ops_before = canonical.dumps(old), canonical.dumps(ops)
+        shared = diff.apply_own(old, ops, shared=True)
+        assert canonical.dumps(old) == before and canonical.dumps(ops) == ops_before
+        in_place = diff.apply_own(copy.deepcopy(old), copy.deepcopy(ops))
+        assert canonical.dumps(shared) == canonical.dumps(in_place)
+
+
+def test_a_shared_document_keeps_what_the_patch_does_not_touch():
+    kept, edited = {"fields": {"content": "x" * 100}}, {"fields": {"content": "b"}}
+    old = {"values": {"messages": [kept, edited]}, "n": 1}
+    appended = {"values": {"messages": [kept, edited, {"fields": {"content": "c"}}]}, "n": 2}
+    changed = {"values": {"messages": [kept, {"fields": {"content": "d"}}]}, "n": 1}
+    for new in (appended, changed):
+        ops = canonical.loads(canonical.dumps(diff.diff(old, new)))
+        result = diff.apply_own(old, ops, shared=True)
+        assert result == new
+        assert result["values"]["messages"][0] is kept  # shared, not copied
+        assert old == {"values": {"messages": [kept, edited]}, "n": 1}
+        assert edited == {"fields": {"content": "b"}}  # the operation inside it copied it

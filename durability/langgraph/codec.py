@@ -71,7 +71,17 @@ class Encoder:
         if kind is float:
             return value if math.isfinite(value) else self._leaf(value)
         if kind is list:
-            return [self._encode(item) for item in value]
+            # A message kept from the previous call is looked up here rather than in a call
+            # of its own: a thread's messages list is most of what a superstep encodes.
+            previous, current, encoded = self._previous, self._current, []
+            for item in value:
+                seen = previous.get(id(item))
+                if seen is not None and seen[0] is item:
+                    current[id(item)] = seen
+                    encoded.append(seen[1])
+                else:
+                    encoded.append(self._encode(item))
+            return encoded
         if kind is dict and TAG not in value and all(type(k) is str for k in value):
             return {key: self._encode(item) for key, item in value.items()}
         name = _NAMES.get(kind)

@@ -25,7 +25,9 @@ from durability.store import langgraph as lg_store
 @dataclass(slots=True)
 class Stored:
     """What a saver keeps in memory of a stored checkpoint, to patch the next one on it.
-    ``doc`` is the saver's own: the next ``put`` patches it in place."""
+    ``doc`` is never changed: it shares its messages with the saver's encoder and with the
+    next checkpoint's document, so patches are applied to copies of what they change
+    (``diff.apply_own(shared=True)``)."""
 
     id: int
     seq: int
@@ -53,7 +55,7 @@ class Found:
 def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> Found | None:
     """The namespace's checkpoint ``lg_id`` (the latest when empty) on the connection
     ``db``; None when the namespace was never stored. ``have``: a checkpoint whose state
-    the caller holds, used (and patched in place) when the wanted one descends from it."""
+    the caller holds, used (left as it is) when the wanted one descends from it."""
     rows = lg_store.for_connection(db).read(thread_id, ns, lg_id, have.id if have else 0)
     if not rows:
         return None
@@ -82,7 +84,8 @@ def _rebuilt(run_id: Any, lg_id: str, head: list, path: list, have: Stored | Non
     if texts[0] is None and (have is None or ids[0] != have.id):
         raise _bad(run_id, seq, "it has no snapshot to be rebuilt from")
     try:
-        if have is not None and ids[0] == have.id:
+        held = have is not None and ids[0] == have.id
+        if have is not None and held:
             doc, base_hash = have.doc, have.state_hash
         else:
             if checkpoints.seal(hashes[0], texts[0].encode()) != digests[0]:
@@ -94,7 +97,7 @@ def _rebuilt(run_id: Any, lg_id: str, head: list, path: list, have: Stored | Non
             ops.extend(canonical.loads(patch))
         if base_hash != state_hash:
             raise _bad(run_id, seq, "the patches it is rebuilt from do not lead to its state hash")
-        doc = diff.apply_own(doc, ops)
+        doc = diff.apply_own(doc, ops, shared=held)
     except IntegrityViolation:
         raise
     except Exception as exc:  # a patch that no longer applies, bytes that no longer parse

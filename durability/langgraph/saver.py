@@ -142,7 +142,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             try:
                 saved = self._on_db(self._commit, thread, parent_id, checkpoint["id"], doc, md)
             except BaseException:
-                # The parent's document may be half patched: read it again next time.
+                # Whether it was stored is unknown: read the thread's head again next time.
                 self._last.pop(thread.pk, None)
                 raise
             self._last[thread.pk] = saved
@@ -227,7 +227,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                     lambda db: latest.read(db, thread_id, ns, wanted, have), retry=True
                 )
             except BaseException:
-                if known is not None:  # its document may be half patched
+                if known is not None:  # read the thread's head again next time
                     self._last.pop(known.pk, None)
                 raise
             if found is None or found.stored is None:

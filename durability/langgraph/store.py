@@ -136,18 +136,18 @@ def needs_snapshot(delta_run: int, size: int) -> bool:
     return 2 * delta_run > size
 
 
-def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes, Any]:
+def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes]:
     """The patch that turns ``parent``'s state into ``doc`` (its bytes and number of
-    operations), ``doc``'s canonical bytes and
-    the parent's state with the patch applied, proven to be those bytes (as the worker
-    proves a step's patch before its commit). The parent's own document is patched in
-    place: the caller forgets it if the commit fails."""
+    operations) and ``doc``'s canonical bytes, proven: the patch applied to the parent's
+    state gives those bytes (as the worker proves a step's patch before its commit). The
+    parent's document is left as it is; ``doc`` becomes the next parent's, so that the next
+    diff finds the messages the encoder kept as the same objects and skips them at once."""
     if parent.data is None:
         parent.data = canonical.dumps(parent.doc)
     state_bytes = canonical.dumps(doc)
     ops = diff.diff(parent.doc, doc)
     ops_bytes = canonical.dumps(ops)
-    patched = diff.apply_own(parent.doc, canonical.loads(ops_bytes))
+    patched = diff.apply_own(parent.doc, canonical.loads(ops_bytes), shared=True)
     if canonical.dumps(patched) != state_bytes:
         # The fast walk missed a change of number type (1 -> 1.0 -> True): diff exactly.
         base = canonical.loads(parent.data)
@@ -156,7 +156,7 @@ def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes, Any]:
         patched = diff.apply_own(canonical.loads(parent.data), canonical.loads(ops_bytes))
         if canonical.dumps(patched) != state_bytes:  # pragma: no cover - a bug if reached
             raise IntegrityViolation("a LangGraph checkpoint's patch does not reproduce it")
-    return ops_bytes, len(ops), state_bytes, patched
+    return ops_bytes, len(ops), state_bytes
 
 
 def commit(
@@ -166,7 +166,8 @@ def commit(
     checkpoint number is taken in the same statement: if another writer took it meanwhile,
     the chain is made again on the number it left. ``relaxed``: without waiting for the
     flush to disk (the product's relaxed durability level)."""
-    ops_bytes, count, state_bytes, doc = exact_patch(new.parent, new.doc)
+    ops_bytes, count, state_bytes = exact_patch(new.parent, new.doc)
+    doc = new.doc
     state_hash = canonical.patched(new.parent.state_hash, ops_bytes)
     delta_run = new.parent.delta_run + len(ops_bytes)
     snapshot = needs_snapshot(delta_run, len(state_bytes))
