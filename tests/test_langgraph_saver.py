@@ -186,6 +186,32 @@ def test_parallel_branch_failure_keeps_the_other_branch_writes():
     assert outcomes[0][4]["a"] == 1 and outcomes[0][4]["b"] == 2
 
 
+def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again():
+    """A process serving many conversations keeps ``cached_threads`` threads' last
+    checkpoints in memory; a thread it forgot goes on from the database, as with a saver
+    that never forgot it."""
+    saver = DurableSaver(cached_threads=2)
+    ours = graphs.approval().compile(checkpointer=saver)
+    theirs = graphs.approval().compile(checkpointer=InMemorySaver())
+    pairs = [(config(), config()) for _ in range(4)]
+    for amount, (a, b) in enumerate(pairs, start=100):
+        start = {"amount": amount, "decision": "", "done": False}
+        assert plain(ours.invoke(start, a)) == plain(theirs.invoke(start, b))
+    kept = (saver._threads, saver._last, saver._head_seq, saver._encoders)
+    assert [len(k) <= 2 for k in kept] == [True] * 4
+    for a, b in pairs:  # the first two were forgotten before they are answered
+        assert ours.invoke(Command(resume="yes"), a) == theirs.invoke(Command(resume="yes"), b)
+        assert history(ours, a) == history(theirs, b)
+        assert run_of(a).status == "succeeded"
+    assert [len(k) <= 2 for k in kept] == [True] * 4
+
+
+def test_cached_threads_must_be_a_whole_number_of_at_least_one():
+    for bad in (0, -1, 1.5, "10", True):
+        with pytest.raises(ValueError, match="cached_threads must be a whole number >= 1"):
+            DurableSaver(cached_threads=bad)
+
+
 def test_a_new_saver_continues_from_the_last_checkpoint():
     """A crash between supersteps: another saver (another process) takes the thread up from
     its last checkpoint; the finished supersteps are not run again."""

@@ -8,8 +8,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from langgraph.checkpoint.base import writes_sort_key
+
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
+from durability.langgraph import codec
+from durability.langgraph.models import PendingWrite, Thread
 from durability.models import Checkpoint, Mutation, Snapshot
 
 
@@ -82,3 +86,18 @@ def _snapshot(run_id: Any, seq: int, state_hash: str, text: str, digest: str) ->
             seq=seq,
         )
     return canonical.loads(text)
+
+
+def pending_writes(thread: Thread, lg_ids: list[str], serde: Any) -> dict[str, list]:
+    """The pending writes of a thread's checkpoints ``lg_ids``, by checkpoint, each as
+    LangGraph hands them back (task id, channel, value), in LangGraph's order."""
+    found: dict[str, list] = {}
+    rows = PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).values_list(
+        "checkpoint_id", "task_id", "idx", "channel", "task_path", "value"
+    )
+    for lg_id, task_id, _idx, channel, _path, value in sorted(
+        rows, key=lambda r: (r[0], *writes_sort_key(r[4], r[1], r[2]))
+    ):
+        decoded = codec.decode(canonical.loads(value), serde)
+        found.setdefault(lg_id, []).append((task_id, channel, decoded))
+    return found

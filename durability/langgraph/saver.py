@@ -11,36 +11,21 @@ run, ``list``, deleting, all of SQLite) runs on the saver's own thread and conne
 ``close()``, garbage collection and exit close them. Async methods run the sync ones off
 the event loop. A read finding its connection lost connects again and retries once.
 
-The benchmark (bench/langgraph_saver.py: 200 supersteps each appending a 1 KB message,
-durability "sync", against LangGraph's PostgresSaver on the same database, the two taking
-turns) meets three of its four targets: bytes stored (0.06x, target 0.1x), ``list``
-(about 0.1x, target 1x) and ``get_tuple`` of the latest checkpoint on a fresh saver
-(0.80x to 0.95x over five runs, target 1x; 0.44x to 0.57x on one saver called again).
-
-- ``get_tuple`` on a fresh saver reads, in one prepared statement, the thread, the
-  checkpoint, its snapshot and the patches after it (at most half a state of them) and its
-  writes (0.5 to 1 ms for 230 KB); checks and applies the patches (0.5 ms); and builds the
-  200 messages with their classes' constructors from their JSON fields (0.9 ms, of which
-  0.7 ms in the constructors; PostgresSaver's decoding builds them the same way, from
-  every field). In CPU time the two are about even (2.5 to 3 ms each): the hash checks
-  here cost about what building the messages from fewer fields saves.
-- Overhead per superstep: 0.31x to 0.37x PostgresSaver's (median 0.35x), target 0.33x: on
-  the line, not met with margin (docs/performance.md). All the threads share one
-  interpreter lock, so CPU is what counts: ``put`` takes about 0.3 ms of CPU (encoding, the
-  diff, the proof, the hashes, psycopg) and waits about 0.35 ms for its statement (five
-  rows; ``durability="relaxed"`` gains little, so the flush is not the cost); the writes'
-  statement (about 0.1 ms of CPU, not flushed) runs beside it on its own connection.
-  Folding writes into the next checkpoint's statement was measured no faster: LangGraph
-  does not wait for writes between supersteps. A new thread costs one transaction for its
-  run; its status is written only when it changes (``status``), once when the graph ends.
+A saver remembers, per thread, the last checkpoint it stored or read (the next one is a
+patch on it) and the messages it encoded, for the ``cached_threads`` threads it used last: a
+process serving many conversations keeps its memory bounded, and a thread it forgot is read
+again from the database when it comes back. What the saver costs per superstep against
+LangGraph's PostgresSaver, and why, is in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
@@ -81,7 +66,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
     ``graph`` names the runs its threads show up as (one saver per graph name).
     ``durability``: ``"strict"`` flushes each checkpoint to disk before ``put`` returns;
     ``"relaxed"`` does not wait for the flush (a database crash may lose the last fraction
-    of a second of checkpoints, never corrupting them), as the product's levels do."""
+    of a second of checkpoints, never corrupting them), as the product's levels do.
+    ``cached_threads``: how many threads' last checkpoints are kept in memory (see the
+    module's docstring)."""
 
     def __init__(
         self,
@@ -89,18 +76,23 @@ class DurableSaver(BaseCheckpointSaver[int]):
         graph: str = "agent",
         durability: str = "strict",
         serde: SerializerProtocol | None = None,
+        cached_threads: int = 100,
     ) -> None:
         super().__init__(serde=serde)
         if not graph or len(graph) > 200:
             raise ValueError("graph must be a name of 1 to 200 characters")
         if durability not in ("strict", "relaxed"):
             raise ValueError(f"durability must be 'strict' or 'relaxed', not {durability!r}")
+        if type(cached_threads) is not int or cached_threads < 1:
+            raise ValueError(f"cached_threads must be a whole number >= 1, not {cached_threads!r}")
         self.graph = graph
         self.durability = durability
+        self.cached_threads = cached_threads
         self._lock = threading.RLock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-saver")
         self._worker_thread: threading.Thread | None = None
-        self._threads: dict[tuple[str, str], Thread] = {}
+        # The threads used last, least recent first (``_remember``).
+        self._threads: OrderedDict[tuple[str, str], Thread] = OrderedDict()
         # Per thread row: the checkpoint last stored or read (the next one is patched on
         # it), the run's last known head number, and the encoder that remembers messages.
         self._last: dict[int, store.Stored] = {}
@@ -236,7 +228,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 known = Thread(
                     id=found.thread, thread_id=thread_id, checkpoint_ns=ns, run_id=found.run_id
                 )
-                self._threads[(thread_id, ns)] = known
+                self._remember(known)
             self._last[found.thread] = found.stored
             self._head_seq[found.thread] = found.head_seq
             doc = found.stored.doc
@@ -246,7 +238,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
                     found.writes, key=lambda w: writes_sort_key(w[3], w[0], w[1])
                 )
             ]
-            return self._tuple(thread_id, ns, found.stored.lg_id, found.lg_parent, doc, writes)
+            return shared.checkpoint_tuple(
+                self.serde, thread_id, ns, found.stored.lg_id, found.lg_parent, doc, writes
+            )
 
     def _get_tuple_orm(self, thread_id: str, ns: str, wanted: str) -> CheckpointTuple | None:
         thread = self._thread(thread_id, ns, create=False)
@@ -264,8 +258,10 @@ class DurableSaver(BaseCheckpointSaver[int]):
             if last is None:  # deleted meanwhile
                 return None
             self._last[thread.pk] = last
-        writes = self._writes(thread, [lg_id]).get(lg_id, [])
-        return self._tuple(thread_id, ns, lg_id, lg_parent, last.doc, writes)
+        writes = reader.pending_writes(thread, [lg_id], self.serde).get(lg_id, [])
+        return shared.checkpoint_tuple(
+            self.serde, thread_id, ns, lg_id, lg_parent, last.doc, writes
+        )
 
     def list(
         self,
@@ -334,7 +330,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         for thread_pk in {row.thread_id for row in chosen}:
             thread = next(row.thread for row in chosen if row.thread_id == thread_pk)
             lg_ids = [row.lg_id for row in chosen if row.thread_id == thread_pk]
-            for lg_id, found in self._writes(thread, lg_ids).items():
+            for lg_id, found in reader.pending_writes(thread, lg_ids, self.serde).items():
                 writes[(thread_pk, lg_id)] = found
         result = []
         for row in chosen:
@@ -533,7 +529,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             thread = store.thread_of(thread_id, ns, graph=self.graph, create=create)
             if thread is None:
                 return None
-            self._threads[key] = thread
+            self._remember(thread)
             self._head_seq[thread.pk] = thread.run.head_seq
             self._status.known(thread)
         return thread
@@ -545,7 +541,26 @@ class DurableSaver(BaseCheckpointSaver[int]):
         if thread is None:
             thread = self._call(lambda: self._thread(thread_id, ns, create=True))
             assert thread is not None
+        else:
+            with contextlib.suppress(KeyError):  # forgotten meanwhile: it is remembered again
+                self._threads.move_to_end((thread_id, ns))
         return thread
+
+    def _remember(self, thread: Thread) -> None:
+        """``thread`` as the most recently used; the least recent beyond ``cached_threads``
+        forgotten, with whatever a call that was using one put back meanwhile."""
+        self._threads[(thread.thread_id, thread.checkpoint_ns)] = thread
+        if len(self._threads) <= self.cached_threads:
+            return
+        while len(self._threads) > self.cached_threads:
+            self._threads.popitem(last=False)
+        live = {t.pk for t in list(self._threads.values())}
+        gone: set[int] = set()
+        for cache in (self._last, self._head_seq, self._encoders):
+            for pk in [pk for pk in list(cache) if pk not in live]:
+                cache.pop(pk, None)
+                gone.add(pk)
+        self._status.forget(gone)
 
     def _forget(self, thread: Thread) -> None:
         self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
@@ -567,32 +582,3 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 self._head_seq[thread.pk] = max(read.head_seq, self._head_seq.get(thread.pk, 0))
                 return read.stored
         return latest.start(db, thread.run_id)
-
-    def _writes(self, thread: Thread, lg_ids: builtins.list[str]) -> dict[str, builtins.list]:
-        found: dict[str, builtins.list] = {}
-        rows = PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).values_list(
-            "checkpoint_id", "task_id", "idx", "channel", "task_path", "value"
-        )
-        for lg_id, task_id, _idx, channel, _path, value in sorted(
-            rows, key=lambda r: (r[0], *writes_sort_key(r[4], r[1], r[2]))
-        ):
-            decoded = codec.decode(canonical.loads(value), self.serde)
-            found.setdefault(lg_id, []).append((task_id, channel, decoded))
-        return found
-
-    def _tuple(
-        self, thread_id: str, ns: str, lg_id: str, lg_parent: str, doc: Any, writes: builtins.list
-    ) -> CheckpointTuple:
-        return CheckpointTuple(
-            config=lg_config(thread_id, ns, lg_id),
-            checkpoint=cast(
-                Checkpoint,
-                {
-                    **codec.decode(doc["checkpoint"], self.serde),
-                    "channel_values": codec.decode(doc["values"], self.serde),
-                },
-            ),
-            metadata=codec.decode(doc["metadata"], self.serde),
-            parent_config=lg_config(thread_id, ns, lg_parent) if lg_parent else None,
-            pending_writes=writes,
-        )

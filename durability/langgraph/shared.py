@@ -7,11 +7,13 @@ import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
+from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
 from durability import checkpoints
+from durability.langgraph import codec
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
 
@@ -88,3 +90,22 @@ def connected() -> bool:
 def lg_config(thread_id: str, ns: str, lg_id: str) -> RunnableConfig:
     """LangGraph's config naming one checkpoint of a thread's namespace."""
     return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": lg_id}}
+
+
+def checkpoint_tuple(
+    serde: Any, thread_id: str, ns: str, lg_id: str, lg_parent: str, doc: Any, writes: list
+) -> CheckpointTuple:
+    """A stored checkpoint's document as LangGraph's ``CheckpointTuple``, in new objects."""
+    return CheckpointTuple(
+        config=lg_config(thread_id, ns, lg_id),
+        checkpoint=cast(
+            Checkpoint,
+            {
+                **codec.decode(doc["checkpoint"], serde),
+                "channel_values": codec.decode(doc["values"], serde),
+            },
+        ),
+        metadata=codec.decode(doc["metadata"], serde),
+        parent_config=lg_config(thread_id, ns, lg_parent) if lg_parent else None,
+        pending_writes=writes,
+    )

@@ -113,6 +113,14 @@ class Reporter:
             elif run.status == RunStatus.SUCCEEDED:
                 self._said[thread.pk] = "end:"
 
+    def forget(self, threads: Iterable[int]) -> None:
+        """Drop what is kept of ``threads`` (their saver forgot them): a report for one made
+        later is written, whether or not it changes anything."""
+        with self._lock:
+            for pk in threads:
+                for kept in (self._written, self._said, self._outside, self._latest, self._stops):
+                    kept.pop(pk, None)
+
     def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
         """After checkpoint ``lg_id`` (``values``: its channel values): the report to write
         (on the saver's thread), if any."""
