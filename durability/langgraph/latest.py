@@ -84,9 +84,9 @@ def _rebuilt(run_id: Any, lg_id: str, head: list, path: list, have: Stored | Non
     if texts[0] is None and (have is None or ids[0] != have.id):
         raise _bad(run_id, seq, "it has no snapshot to be rebuilt from")
     try:
-        held = have is not None and ids[0] == have.id
-        if have is not None and held:
-            doc, base_hash = have.doc, have.state_hash
+        held = False  # the caller's document, which is patched on a copy
+        if have is not None and ids[0] == have.id:
+            doc, base_hash, held = have.doc, have.state_hash, True
         else:
             if checkpoints.seal(hashes[0], texts[0].encode()) != digests[0]:
                 raise _bad(run_id, seq, "the snapshot it is rebuilt from does not match its digest")

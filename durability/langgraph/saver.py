@@ -542,13 +542,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
             thread = self._call(lambda: self._thread(thread_id, ns, create=True))
             assert thread is not None
         else:
-            with contextlib.suppress(KeyError):  # forgotten meanwhile: it is remembered again
+            with contextlib.suppress(KeyError):  # forgotten meanwhile: read again next time
                 self._threads.move_to_end((thread_id, ns))
         return thread
 
     def _remember(self, thread: Thread) -> None:
-        """``thread`` as the most recently used; the least recent beyond ``cached_threads``
-        forgotten, with whatever a call that was using one put back meanwhile."""
+        """``thread`` as the most recently used; those beyond ``cached_threads`` forgotten,
+        least recent first, with anything a call still busy with one stored after it was."""
         self._threads[(thread.thread_id, thread.checkpoint_ns)] = thread
         if len(self._threads) <= self.cached_threads:
             return
@@ -566,6 +566,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
         for cache in (self._last, self._head_seq, self._encoders):
             cache.pop(thread.pk, None)
+        self._status.forget({thread.pk})
 
     def _parent(self, db: Any, thread: Thread, parent_id: str) -> latest.Stored:
         """The checkpoint a new one is patched on: the last one written or read, else read
