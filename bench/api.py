@@ -21,7 +21,6 @@ import http.client
 import json
 import os
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from bench import dashboard as seeded
+from bench.common import module_part
 from bench.db import check_bench_database, db_name
 from bench.stats import percentile, table
 
@@ -131,24 +131,8 @@ def report(results: dict[str, dict[str, list[float]]]) -> tuple[list[list[Any]],
 
 
 def run(bench: Any) -> None:
-    """The ``api`` part of ``make bench`` (``bench.checkpoint``): this module in a process of
-    its own (its own database and Django settings), its summary added to the figures."""
-    import subprocess
-
-    own = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL")
-    env = {k: v for k, v in os.environ.items() if k not in own}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.api"], env=env, capture_output=True, text=True, check=False
-    )
-    print(done.stdout, done.stderr, sep="\n")
-    summary = done.stdout.rpartition("== Summary")[2].splitlines()
-    for line in summary:
-        found = re.match(r"^(.+? p95)\s+([\d.]+ ms)\s+(< [\d.]+ ms)\s+(ok|MISS)\s*$", line)
-        if found:
-            name, value, target, verdict = found.groups()
-            bench.add("api", name, value, target, verdict == "ok")
-    if done.returncode not in (0, 1):
-        raise RuntimeError(f"bench.api exited with {done.returncode}")
+    """The ``api`` part of ``make bench`` (``bench.checkpoint``)."""
+    module_part(bench, "api", "bench.api")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,12 @@
 
 Parts (see docs/performance.md): overhead, storage, rebuild, recovery (a pool process
 killed), node-recovery (a whole worker killed), throughput, tracing, langgraph-state (the
-latest-state load against LangGraph's ``get_state``; needs the ``bench`` extra), api (the JSON
-API through gunicorn on 100,000 seeded runs: ``bench.api``, in a process and database of its
-own), and the soak (``--soak SECONDS``). Every figure is a ratio to a baseline measured in the
-same run, or a median/percentile: the machine is shared and noisy, so no single timing means
-much.
+latest-state load against LangGraph's ``get_state``; needs the ``bench`` extra), langgraph
+(``DurableSaver`` against LangGraph's ``PostgresSaver``), api (the JSON API through gunicorn
+on 100,000 seeded runs: ``bench.api``, in a process and database of its own), dashboard (the
+dashboard's pages the same way: ``bench.dashboard``), and the soak (``--soak SECONDS``).
+Every figure is a ratio to a baseline measured in the same run, or a median/percentile: the
+machine is shared and noisy, so no single timing means much.
 
 The benchmark owns a database of its own (``durability_bench``; ``BENCH_DATABASE_URL``),
 created at the start and dropped at the end, a Redis key prefix and Celery queue of its
@@ -44,6 +45,7 @@ PARTS = (
     "langgraph-state",
     "langgraph",
     "api",
+    "dashboard",
     "soak",
 )
 DEFAULT_SOAK_IF_SELECTED = 60.0
@@ -203,6 +205,10 @@ def _part(name: str, bench: Bench) -> Callable[[], None]:
         from bench import api
 
         return lambda: api.run(bench)
+    if name == "dashboard":
+        from bench import dashboard
+
+        return lambda: dashboard.run(bench)
     from bench import recovery
 
     return lambda: recovery.soak(bench, bench.soak_seconds)

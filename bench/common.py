@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,3 +123,28 @@ def truncate_product_tables() -> None:
 
 def fmt_ratio(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.2f}x"
+
+
+# A line of a module's "== Summary" table: figure, measured, target, ok or MISS.
+_SUMMARY_LINE = re.compile(
+    r"^(.+?)\s{2,}(\S+(?: ms)?)\s{2,}([<>=]+ [\d.]+(?: ms|x)?)\s+(ok|MISS)\s*$"
+)
+
+
+def module_part(bench: Bench, part: str, module: str) -> None:
+    """A benchmark that seeds a database of its own (``python -m <module>``) as a part of
+    ``make bench``: run in a process of its own (its own database and Django settings), its
+    output printed, the lines of its summary added to the figures."""
+    own = ("DJANGO_SETTINGS_MODULE", "DATABASE_URL")
+    env = {k: v for k, v in os.environ.items() if k not in own}
+    done = subprocess.run(
+        [sys.executable, "-m", module], env=env, capture_output=True, text=True, check=False
+    )
+    print(done.stdout, done.stderr, sep="\n")
+    for line in done.stdout.rpartition("== Summary")[2].splitlines():
+        found = _SUMMARY_LINE.match(line)
+        if found:
+            name, value, target, verdict = found.groups()
+            bench.add(part, name, value, target, verdict == "ok")
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"{module} exited with {done.returncode}")

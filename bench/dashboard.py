@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from bench.common import module_part
 from bench.dashboard_seed import STATUSES, WORDS, analyze, check_seeded, seed
 from bench.db import check_bench_database, connect, db_name, with_db
 from bench.stats import percentile, table
@@ -280,6 +281,11 @@ def _pcts(values: list[float]) -> list[str]:
     return [f"{percentile(values, q) * 1000:.1f}" for q in (50, 95, 99)] + [
         f"{max(values) * 1000:.1f}"
     ]
+
+
+def run(bench: Any) -> None:
+    """The ``dashboard`` part of ``make bench`` (``bench.checkpoint``)."""
+    module_part(bench, "dashboard", "bench.dashboard")
 
 
 def main(argv: list[str] | None = None) -> int:
