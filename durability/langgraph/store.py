@@ -153,7 +153,9 @@ def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes]:
         base = canonical.loads(parent.data)
         ops = diff.diff(base, doc, strict=True)
         ops_bytes = canonical.dumps(ops)
-        patched = diff.apply_own(canonical.loads(parent.data), canonical.loads(ops_bytes))
+        # ``base`` is ours (parsed here) and the operations' values are their own copies:
+        # patched in place, as the engine's proof does (``checkpointing.proven``).
+        patched = diff.apply_own(base, canonical.loads(ops_bytes))
         if canonical.dumps(patched) != state_bytes:  # pragma: no cover - a bug if reached
             raise IntegrityViolation("a LangGraph checkpoint's patch does not reproduce it")
     return ops_bytes, len(ops), state_bytes
