@@ -122,11 +122,22 @@ def chain_of(cp: Checkpoint, parent_chain: str) -> str:
 
 
 def write_snapshot_checkpoint(
-    run: Run,
+    run: Run, state_bytes: bytes, *, parent: Checkpoint | None, **how: Any
+) -> Checkpoint:
+    """Write a checkpoint stored whole (a run's start, a fork): its state hash is its
+    canonical bytes' hash. ``how``: ``whole_checkpoint``'s keywords (its number, reason,
+    step...). The caller holds the transaction and has fenced the run."""
+    chain = parent.chain_hash if parent else ""
+    fields = whole_checkpoint(run.id, state_bytes, parent_chain=chain, **how)
+    return write_checkpoint(run=run, parent=parent, **fields)
+
+
+def whole_checkpoint(
+    run_id: Any,
     state_bytes: bytes,
     *,
     seq: int,
-    parent: Checkpoint | None,
+    parent_chain: str,
     reason: str,
     step: str,
     next_step: str,
@@ -134,42 +145,40 @@ def write_snapshot_checkpoint(
     agent_version: str,
     by: str = "",
     fingerprint: tuple[str, str] = ("", ""),
-) -> Checkpoint:
-    """Write a checkpoint stored whole (a run's start, a fork): its state hash is its
-    canonical bytes' hash. The caller holds the transaction and has fenced the run."""
+) -> dict[str, Any]:
+    """The fields of a checkpoint stored whole (``write_checkpoint``'s, but its run and
+    parent), chained on ``parent_chain``."""
     state_hash = canonical.sha256_hex(state_bytes)
     chain = link(
-        parent.chain_hash if parent else "",
+        parent_chain,
         state_hash,
-        run_id=run.id,
+        run_id=run_id,
         seq=seq,
         step=step,
         next_step=next_step,
         schema_version=schema_version,
         agent_version=agent_version,
     )
-    return write_checkpoint(
-        run=run,
-        seq=seq,
-        parent=parent,
-        reason=reason,
-        step=step,
-        next_step=next_step,
-        state_hash=state_hash,
-        chain_hash=chain,
-        schema_version=schema_version,
-        agent_version=agent_version,
-        config_hash=fingerprint[0],
-        packages=fingerprint[1],
-        size=len(state_bytes),
-        delta_size=len(canonical.EMPTY_PATCH),
-        delta_run=0,
-        created_by=by,
-        ops=canonical.EMPTY_PATCH.decode(),
-        count=0,
-        snapshot=state_bytes.decode(),
-        digest=seal(state_hash, state_bytes),
-    )
+    return {
+        "seq": seq,
+        "reason": reason,
+        "step": step,
+        "next_step": next_step,
+        "state_hash": state_hash,
+        "chain_hash": chain,
+        "schema_version": schema_version,
+        "agent_version": agent_version,
+        "config_hash": fingerprint[0],
+        "packages": fingerprint[1],
+        "size": len(state_bytes),
+        "delta_size": len(canonical.EMPTY_PATCH),
+        "delta_run": 0,
+        "created_by": by,
+        "ops": canonical.EMPTY_PATCH.decode(),
+        "count": 0,
+        "snapshot": state_bytes.decode(),
+        "digest": seal(state_hash, state_bytes),
+    }
 
 
 @dataclass(slots=True)

@@ -18,13 +18,15 @@ graph executed in its own process, which no worker ever holds). Each acts on a r
 its caller saw it; a run that moved on meanwhile (woken already, claimed, finished) is no
 error: they return False and change nothing.
 
-``claim`` (``leases.claim``) and the step commit (``checkpoints``, ``checkpoint`` and
-``succeed`` in one statement) are written where they are for speed; they take their statuses
-from here (``claimed``, ``after_step``).
+``claim`` (``leases.claim``), the step commit (``checkpoints``, ``checkpoint`` and
+``succeed`` in one statement) and, on PostgreSQL, a LangGraph graph's reports with their
+events (``store.lg_sql.report``) are written where they are for speed; they take their
+statuses and fields from here (``claimed``, ``after_step``, ``graph_change``).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -247,51 +249,78 @@ def requeue(run_id: Any, token: int, where: Q, **fields: Any) -> bool:
 # --- a LangGraph graph executed in its own process: conditional on what is stored --------------
 
 
+class At(enum.Enum):
+    """A time a graph's report sets: the database's now, or now unless one is set already."""
+
+    NOW = "now"
+    FIRST = "first"
+
+
+@dataclass(frozen=True)
+class GraphChange:
+    """A report of a graph executed in its own process as data: its operation, the fields
+    it sets besides the status (values, or ``At``), and the fields that, all as said here
+    already, make it change nothing. ``apply_graph`` applies one through ``Run.objects``;
+    the LangGraph saver's store sends it, with its event, as one statement."""
+
+    op: str
+    fields: dict[str, Any]
+    unless: dict[str, Any]
+
+
+def graph_change(op: str, *, detail: str = "", error: str = "", code: str = "") -> GraphChange:
+    """``graph_waits``: the graph's latest checkpoint has tasks still to run (it is running in
+    its process, or stopped there) or an interrupt waiting for an answer (``detail`` says
+    which). ``graph_ended``: it has no task to run, the graph reached its end (invoking it
+    again on the thread makes it wait again). ``graph_failed``: a node raised, ``error`` is
+    what LangGraph stored beside the checkpoint."""
+    cleared = {"wait_reason": WaitReason.NONE, "error": "", "error_code": "", "updated_at": At.NOW}
+    if op == "graph_waits":
+        detail = detail[:500]
+        fields = {
+            **cleared,
+            "wait_detail": detail,
+            "wake_at": None,
+            "finished_at": None,
+            "outcome": "",
+            "started_at": At.FIRST,  # the graph's first invocation
+        }
+        return GraphChange(op, fields, {"status": WAITING, "wait_detail": detail})
+    if op == "graph_ended":
+        return GraphChange(op, {**cleared, "wait_detail": "", "finished_at": At.NOW}, {})
+    if op == "graph_failed":
+        fields = {
+            **cleared,
+            "wait_detail": "",
+            "error": error[:10000],
+            "error_code": code,
+            "finished_at": At.NOW,
+        }
+        return GraphChange(op, fields, {})
+    raise ValueError(f"not a graph's report: {op!r}")
+
+
+def apply_graph(run_id: Any, change: GraphChange) -> bool:
+    """``change`` on the run. False if the run already said so, or is not a graph's run in
+    a status its operation applies to."""
+    fields: dict[str, Any] = {
+        name: Now() if value is At.NOW else Coalesce(name, Now()) if value is At.FIRST else value
+        for name, value in change.fields.items()
+    }
+    where = ~Q(**change.unless) if change.unless else None
+    return _apply(change.op, run_id, where=where, **fields)
+
+
 def graph_waits(run_id: Any, detail: str) -> bool:
-    """The graph's latest checkpoint has tasks still to run (it is running in its process,
-    or stopped there) or an interrupt waiting for an answer (``detail`` says which). False
-    if the run already said so, or is not a graph's run in a status this applies to."""
-    detail = detail[:500]
-    return _apply(
-        "graph_waits",
-        run_id,
-        where=~Q(status=WAITING, wait_detail=detail),
-        wait_reason=WaitReason.NONE,
-        wait_detail=detail,
-        wake_at=None,
-        finished_at=None,
-        error="",
-        error_code="",
-        outcome="",
-        started_at=Coalesce("started_at", Now()),  # the graph's first invocation
-    )
+    return apply_graph(run_id, graph_change("graph_waits", detail=detail))
 
 
 def graph_ended(run_id: Any) -> bool:
-    """The graph's latest checkpoint has no task to run: it reached its end (invoking it
-    again on the thread makes it wait again: ``graph_waits``)."""
-    return _apply(
-        "graph_ended",
-        run_id,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        error="",
-        error_code="",
-        finished_at=Now(),
-    )
+    return apply_graph(run_id, graph_change("graph_ended"))
 
 
 def graph_failed(run_id: Any, *, error: str, code: str) -> bool:
-    """A node of the graph raised: the error LangGraph stored beside its checkpoint."""
-    return _apply(
-        "graph_failed",
-        run_id,
-        wait_reason=WaitReason.NONE,
-        wait_detail="",
-        error=error[:10000],
-        error_code=code,
-        finished_at=Now(),
-    )
+    return apply_graph(run_id, graph_change("graph_failed", error=error, code=code))
 
 
 # --- an operator's, on a run whose row the caller has locked ------------------------------

@@ -526,11 +526,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
         key = (thread_id, ns)
         thread = self._threads.get(key)
         if thread is None:
-            thread = store.thread_of(thread_id, ns, graph=self.graph, create=create)
+            thread, start = store.thread_of(thread_id, ns, graph=self.graph, create=create)
             if thread is None:
                 return None
             self._remember(thread)
             self._head_seq[thread.pk] = thread.run.head_seq
+            if start is not None:
+                self._last[thread.pk] = start
             self._status.known(thread)
         return thread
 

@@ -2,8 +2,9 @@
 
 No worker holds such a run (``durability.langgraph.runs``), so the saver says where the
 graph is, from the checkpoint and writes it has just stored, through the run's state
-machine (``lifecycle.graph_*``) with an event on the timeline. The product's statuses are
-kept (none is added for LangGraph):
+machine (``lifecycle.graph_change``) with an event on the timeline: on PostgreSQL one
+statement, on the saver's thread. The product's statuses are kept (none is added for
+LangGraph):
 
 - the latest checkpoint has tasks to run (it names them in its ``branch:to:<node>``,
   ``__start__`` or ``__pregel_tasks`` channels) and no interrupt: ``waiting``, for the
@@ -27,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connection
 
 from durability import events, lifecycle
 from durability.errors import StepError
@@ -35,6 +36,7 @@ from durability.langgraph.models import Thread
 from durability.langgraph.runs import outside_workers
 from durability.models import Run, RunStatus
 from durability.redact import redact
+from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
 
 log = logging.getLogger(__name__)
@@ -227,16 +229,17 @@ def _combined(stops: Mapping[str, tuple[str, str]]) -> tuple[str, str]:
 
 
 def _write(run_id: Any, seq: int, kind: str, text: str) -> None:
-    """One change of status and its event, in one transaction; nothing if it is said."""
-    with transaction.atomic():
-        if kind == "wait":
-            if lifecycle.graph_waits(run_id, text):
-                events.record(events.suspended(run_id, wait="", detail=text, seq=seq))
-        elif kind == "end":
-            if lifecycle.graph_ended(run_id):
-                events.record(events.succeeded(run_id, seq=seq))
-        elif lifecycle.graph_failed(run_id, error=text, code=StepError.code):
-            events.record(events.failed(run_id, message=text, detail={}, seq=seq))
+    """One change of status and its event, all or none; nothing if it is said."""
+    if kind == "wait":
+        change = lifecycle.graph_change("graph_waits", detail=text)
+        event = events.suspended(run_id, wait="", detail=text, seq=seq)
+    elif kind == "end":
+        change = lifecycle.graph_change("graph_ended")
+        event = events.succeeded(run_id, seq=seq)
+    else:
+        change = lifecycle.graph_change("graph_failed", error=text, code=StepError.code)
+        event = events.failed(run_id, message=text, detail={}, seq=seq)
+    lg_store.for_connection(connection).report(run_id, change, event)
 
 
 def _forget(exc: BaseException | None) -> None:

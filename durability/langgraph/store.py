@@ -7,8 +7,9 @@ is one statement, data-modifying CTEs chained on the UPDATE of the run that allo
 checkpoint's number; elsewhere, the ORM in one transaction. Pending writes are a statement
 of their own that does not wait for the WAL flush: the checkpoint after them does, and
 flushing it flushes them; a database crash in between costs a task re-run, which LangGraph
-does for any task without writes. The statements of both are the store's
-(``durability.store.langgraph``); this module makes what they write.
+does for any task without writes. A new thread (its run, the run's empty first checkpoint,
+its event, its thread row) is one statement on PostgreSQL too, all or none. The statements
+are the store's (``durability.store.langgraph``); this module makes what they write.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.db import connection
 from django.utils import timezone
 
 from durability import canonical, checkpoints, diff
@@ -47,57 +48,65 @@ class NewCheckpoint:
     step: str
 
 
-def thread_of(thread_id: str, ns: str, *, graph: str, create: bool) -> Thread | None:
+def thread_of(
+    thread_id: str, ns: str, *, graph: str, create: bool
+) -> tuple[Thread | None, Stored | None]:
     """The namespace's thread row and run; made (with the run and its empty first
-    checkpoint) when ``create``. A subgraph's namespace is a child run of its parent's."""
+    checkpoint) when ``create``. A subgraph's namespace is a child run of its parent's.
+    Second: the first checkpoint, if this call made it (the parent of the thread's first
+    ``put``, which need not read it back)."""
     found = Thread.objects.select_related("run").filter(thread_id=thread_id, checkpoint_ns=ns)
     thread = found.first()
     if thread is not None or not create:
-        return thread
+        return thread, None
     parent = None
     if ns:
-        parent = thread_of(thread_id, ns.rpartition("|")[0], graph=graph, create=True)
+        parent, _ = thread_of(thread_id, ns.rpartition("|")[0], graph=graph, create=True)
+    run = Run(
+        agent=graph,
+        agent_version=AGENT_VERSION,
+        status=RunStatus.WAITING,
+        wait_detail=WAIT_DETAIL,
+        started_at=timezone.now(),  # made by the graph's first checkpoint
+        input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),
+        parent_run=parent.run if parent else None,
+        # The span the graph's first checkpoint was stored under, if the user's process
+        # traces: the run page links to its trace, as it does for runs the workers
+        # execute. A subgraph's run is in its parent's trace.
+        trace_parent=parent.run.trace_parent if parent else current_traceparent(),
+    )
+    start = checkpoints.whole_checkpoint(
+        run.id,
+        canonical.dumps({}),
+        seq=0,
+        parent_chain="",
+        reason=CheckpointReason.START,
+        step="",
+        next_step="",
+        schema_version=SCHEMA_VERSION,
+        agent_version=AGENT_VERSION,
+    )
+    created = Event(
+        run=run,
+        kind=EventKind.CREATED,
+        seq=0,
+        data=canonical.dumps(
+            {"agent": graph, "langgraph": {"thread_id": thread_id, "checkpoint_ns": ns}}
+        ).decode(),
+    )
+    thread = Thread(thread_id=thread_id, checkpoint_ns=ns, run=run)
     try:
-        with transaction.atomic():
-            run = Run.objects.create(
-                agent=graph,
-                agent_version=AGENT_VERSION,
-                status=RunStatus.WAITING,
-                wait_detail=WAIT_DETAIL,
-                started_at=timezone.now(),  # made by the graph's first checkpoint
-                input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),
-                parent_run=parent.run if parent else None,
-                # The span the graph's first checkpoint was stored under, if the user's
-                # process traces: the run page links to its trace, as it does for runs the
-                # workers execute. A subgraph's run is in its parent's trace.
-                trace_parent=parent.run.trace_parent if parent else current_traceparent(),
-            )
-            checkpoints.write_snapshot_checkpoint(
-                run,
-                canonical.dumps({}),
-                seq=0,
-                parent=None,
-                reason=CheckpointReason.START,
-                step="",
-                next_step="",
-                schema_version=SCHEMA_VERSION,
-                agent_version=AGENT_VERSION,
-            )
-            Event.objects.create(
-                run=run,
-                kind=EventKind.CREATED,
-                seq=0,
-                data=canonical.dumps(
-                    {"agent": graph, "langgraph": {"thread_id": thread_id, "checkpoint_ns": ns}}
-                ).decode(),
-            )
-            return Thread.objects.create(thread_id=thread_id, checkpoint_ns=ns, run=run)
+        start_id = lg_store.for_connection(connection).make_thread(run, start, created, thread)
     except Exception:
         # Another process made it first (the unique thread and namespace).
         thread = found.first()
         if thread is None:
             raise
-        return thread
+        return thread, None
+    made = Stored(
+        start_id, 0, "", start["state_hash"], start["chain_hash"], 0, start["size"], {}, b"{}"
+    )
+    return thread, made
 
 
 def start_of(thread: Thread) -> Stored:

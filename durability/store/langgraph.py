@@ -15,14 +15,17 @@ from typing import Any, cast
 import orjson
 from django.db import transaction
 
-from durability import canonical
+from durability import canonical, lifecycle
 from durability.conf import conf
-from durability.langgraph.models import PendingWrite, SavedCheckpoint
+from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import (
+    Checkpoint,
     CheckpointReason,
     Event,
     EventKind,
+    Mutation,
     Run,
+    Snapshot,
 )
 from durability.store import for_connection as store_for
 from durability.store import lg_sql
@@ -52,6 +55,26 @@ class LangGraphStore:
         level = "relaxed" if relaxed else "strict"
         with store_for(self.conn).synchronous(level), transaction.atomic():
             return _insert_orm(row)
+
+    def make_thread(self, run: Run, start: dict[str, Any], created: Event, thread: Thread) -> int:
+        """Insert a new thread's run, its first checkpoint (``start``: ``write_checkpoint``'s
+        fields but the run and parent), its event and its thread row, all or none; the
+        checkpoint's id. ``IntegrityError`` if another process made the thread first."""
+        with transaction.atomic(using=self.conn.alias):
+            run.save(force_insert=True)
+            cp = write_checkpoint(run=run, parent=None, **start)
+            Event.objects.bulk_create([created], run_checked=True)  # its run is made above
+            thread.save(force_insert=True)
+        return cp.id
+
+    def report(self, run_id: Any, change: lifecycle.GraphChange, event: Event) -> bool:
+        """A graph's report on its run (``lifecycle.graph_change``) and, if it changed the
+        run, its event; False if it changed nothing."""
+        with transaction.atomic(using=self.conn.alias):
+            if not lifecycle.apply_graph(run_id, change):
+                return False
+            Event.objects.bulk_create([event], run_checked=True)  # the UPDATE locked its run
+            return True
 
     def head_seq(self, run_id: Any) -> int:
         """The run's last checkpoint number."""
@@ -132,6 +155,36 @@ class PostgresLangGraph(LangGraphStore):
         sql = lg_sql.COMMIT[(row["snapshot"] is not None, relaxed)]
         found = self._prepared().fetch_one_prepared(sql, row)
         return int(found[0]) if found else None
+
+    def make_thread(self, run: Run, start: dict[str, Any], created: Event, thread: Thread) -> int:
+        if self.conn.in_atomic_block:
+            return super().make_thread(run, start, created, thread)
+        # One statement rather than the ORM's transaction of six: a new thread's first
+        # checkpoint waits for it, and a graph of a few supersteps paid more for it than for
+        # its checkpoints.
+        fields = dict(start)
+        seq = fields["seq"]
+        mutation = Mutation(
+            run_id=run.id, seq=seq, ops=fields.pop("ops"), count=fields.pop("count")
+        )
+        snapshot = Snapshot(
+            run_id=run.id, seq=seq, state=fields.pop("snapshot"), digest=fields.pop("digest")
+        )
+        cp = Checkpoint(run=run, parent=None, **fields)
+        sql, params = lg_sql.new_thread(self.conn, run, cp, mutation, snapshot, created, thread)
+        with self.conn.cursor() as cur:
+            cur.execute(sql, params)
+            cp_id, thread.pk = cur.fetchone()
+        return cp_id
+
+    def report(self, run_id: Any, change: lifecycle.GraphChange, event: Event) -> bool:
+        if self.conn.in_atomic_block:
+            return super().report(run_id, change, event)
+        # One statement: the report at a graph's end is on the path of its last ``put``.
+        sql, params = lg_sql.report(self.conn, run_id, change, event)
+        with self.conn.cursor() as cur:
+            cur.execute(sql, params)
+            return bool(cur.fetchone()[0])
 
     def head_seq(self, run_id: Any) -> int:
         with self.conn.cursor() as cur:

@@ -13,6 +13,11 @@ plan (``PostgresLangGraph.own_session``).
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.db.models import Field, Model
+
+from durability import lifecycle
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Event, Mutation, Run, Snapshot
 
@@ -176,3 +181,102 @@ START = f"""
 SELECT id, state_hash, chain_hash, size FROM {Checkpoint._meta.db_table}
  WHERE run_id = %(run)s AND seq = 0
 """
+
+
+# By model, CTE name and columns taken from another CTE: each ``_insert`` statement, and the
+# fields whose values it takes (built once: their types are the model's, on PostgreSQL).
+_INSERTS: dict[tuple, tuple[str, tuple[Field, ...]]] = {}
+
+
+def _insert(obj: Model, prefix: str, conn: Any, refs: dict[str, str]) -> tuple[str, dict]:
+    """An ``INSERT ... SELECT`` of the unsaved model instance ``obj`` and its parameters:
+    the values Django would save (``pre_save``, ``get_db_prep_save``), each cast to its
+    column's type; ``refs``: columns taken from another CTE instead (``"c.id"``). A key the
+    database numbers is left to it."""
+    model = type(obj)
+    key = (model, prefix, tuple(refs.items()))
+    if key not in _INSERTS:
+        columns, values, fields = [], [], []
+        for field in model._meta.concrete_fields:
+            if field.primary_key and field.db_returning:
+                continue
+            columns.append(str(field.column))
+            if field.attname in refs:
+                values.append(refs[field.attname])
+            else:
+                values.append(f"%({prefix}_{field.attname})s::{field.cast_db_type(conn)}")
+                fields.append(field)
+        table = model._meta.db_table
+        sql = f"INSERT INTO {table} ({', '.join(columns)}) SELECT {', '.join(values)}"
+        _INSERTS[key] = (sql, tuple(fields))
+    sql, taken = _INSERTS[key]
+    params = {
+        f"{prefix}_{field.attname}": field.get_db_prep_save(field.pre_save(obj, True), conn)
+        for field in taken
+    }
+    return sql, params
+
+
+def new_thread(
+    conn: Any, run: Run, start: Checkpoint, mutation: Mutation, snapshot: Snapshot, *rest: Any
+) -> tuple[str, dict]:
+    """One statement that inserts a new thread's run, its first checkpoint (with its
+    mutation and snapshot rows) and the unsaved rows ``rest`` (its event, its thread row,
+    whose ids the database numbers); it answers the checkpoint's id and the last row's.
+    The thread's uniqueness fails the whole statement if another process made it first."""
+    parts, params = [], {}
+    for prefix, obj, refs, tail in (
+        ("r", run, {}, ""),
+        ("c", start, {}, " RETURNING id"),
+        ("m", mutation, {"checkpoint_id": "c.id"}, " FROM c"),
+        ("s", snapshot, {"checkpoint_id": "c.id"}, " FROM c"),
+        *((f"x{i}", obj, {}, " RETURNING id") for i, obj in enumerate(rest)),
+    ):
+        sql, values = _insert(obj, prefix, conn, refs)
+        parts.append(f"{prefix} AS ({sql}{tail})")
+        params.update(values)
+    last = f"x{len(rest) - 1}"
+    return f"WITH {', '.join(parts)} SELECT c.id, {last}.id FROM c, {last}", params
+
+
+def report(conn: Any, run_id: Any, change: lifecycle.GraphChange, event: Event) -> tuple[str, dict]:
+    """One statement for a graph's report: the conditional UPDATE of its run that
+    ``lifecycle.apply_graph`` makes through the ORM, and ``event`` if it changed the run.
+    It answers how many runs it changed (0 or 1)."""
+    transition = lifecycle.TRANSITIONS[change.op]
+    params: dict[str, Any] = {
+        "run": run_id,
+        "target": transition.target,
+        "sources": sorted(transition.sources),
+    }
+    sets = ["status = %(target)s"]
+    for name, value in change.fields.items():
+        field = _field(name)
+        column = field.column
+        if value is lifecycle.At.NOW:
+            sets.append(f"{column} = now()")
+        elif value is lifecycle.At.FIRST:
+            sets.append(f"{column} = coalesce({column}, now())")
+        else:
+            params[f"set_{name}"] = field.get_db_prep_save(value, conn)
+            sets.append(f"{column} = %(set_{name})s")
+    where = "id = %(run)s AND status = ANY(%(sources)s)"
+    if change.unless:
+        same = []
+        for name, value in change.unless.items():
+            params[f"unless_{name}"] = value
+            same.append(f"{_field(name).column} = %(unless_{name})s")
+        where += f" AND NOT ({' AND '.join(same)})"
+    insert, values = _insert(event, "e", conn, {"run_id": "u.id"})
+    params.update(values)
+    sql = (
+        f"WITH u AS (UPDATE {Run._meta.db_table} SET {', '.join(sets)} WHERE {where}"
+        f" RETURNING id), e AS ({insert} FROM u) SELECT count(*) FROM u"
+    )
+    return sql, params
+
+
+def _field(name: str) -> Field:
+    field = Run._meta.get_field(name)
+    assert isinstance(field, Field)  # a column, not a relation's other side
+    return field
