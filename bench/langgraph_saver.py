@@ -9,7 +9,9 @@ without a target), bytes stored for the thread after the run (every
 row of it, as ``pg_column_size``), ``get_tuple`` of the latest checkpoint (a fresh saver
 each time, so nothing is served from memory; also one saver called again and again, as
 PostgresSaver's figure is taken, shown without a target) and ``list`` of every
-checkpoint. Medians of repeats; the savers (and the graph without one) take turns, so
+checkpoint. And, without a target, a conversation's turns rather than one long run: the
+overhead per invoke of a graph of three supersteps on a new thread, and as the next turn
+of a thread. Medians of repeats; the savers (and the graph without one) take turns, so
 that a busy spell of a shared machine weighs on each of them alike.
 """
 
@@ -24,6 +26,8 @@ from bench.common import Bench, fmt_ratio
 from bench.stats import median, ms, size, table
 
 STEPS = 200
+# A turn of a conversation: the model, a tool, the model again.
+SHORT_STEPS = 3
 
 
 def _graph(steps: int):
@@ -53,13 +57,13 @@ def _graph(steps: int):
     return g
 
 
-def _invoke(graph, thread: str) -> float:
+def _invoke(graph, thread: str, state: dict | None = None) -> float:
     # "sync": each checkpoint stored before the next superstep (without a checkpointer
     # there is nothing to wait for, and LangGraph refuses the option).
     extra = {"durability": "sync"} if graph.checkpointer else {}
     started = time.perf_counter()
     graph.invoke(
-        {"messages": [], "turns": 0},
+        state or {"messages": [], "turns": 0},
         {"configurable": {"thread_id": thread}, "recursion_limit": 10_000},
         **extra,
     )
@@ -176,6 +180,7 @@ def run(b: Bench) -> None:
         times = {name: median([t for _, t in done]) for name, done in runs.items()}
         stored = _bytes(pg, runs["pg"][-1][0], runs["ours"][-1][0])
         gets, lists = _reads(pg, runs["pg"][-1][0], runs["ours"][-1][0], repeats)
+        short = _short(pg, 10 if b.quick else 30)
     _report(
         b,
         steps,
@@ -185,6 +190,48 @@ def run(b: Bench) -> None:
         gets,
         lists,
     )
+    _report_short(b, short)
+
+
+def _short(pg, rounds: int) -> dict[str, tuple[float, float]]:
+    """A conversation's turns rather than one long run: per invoke of a graph of
+    ``SHORT_STEPS`` supersteps, on a new thread and as the next turn of a thread (its
+    history read, then its status waiting and ended again), the savers taking turns; medians
+    in seconds by saver, bare included."""
+    from langchain_core.messages import HumanMessage
+
+    from durability.langgraph import DurableSaver
+
+    builder = _graph(SHORT_STEPS)
+    ours = DurableSaver(graph="bench-langgraph-short")
+    graphs = {
+        "bare": builder.compile(),
+        "pg": builder.compile(checkpointer=pg),
+        "ours": builder.compile(checkpointer=ours),
+    }
+    new: dict[str, list[float]] = {name: [] for name in graphs}
+    turn: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            thread = uuid.uuid4().hex
+            new[name].append(_invoke(graph, thread))
+            # The graph without a checkpointer keeps nothing: its turn is its supersteps.
+            more = {"messages": [HumanMessage("and then?")], "turns": 0}
+            turn[name].append(_invoke(graph, thread, more))
+    ours.close()
+    return {name: (median(new[name]), median(turn[name])) for name in graphs}
+
+
+def _report_short(b: Bench, short: dict[str, tuple[float, float]]) -> None:
+    bare = short["bare"]
+    rows = []
+    for i, what in enumerate(("a new thread", "the next turn of a thread")):
+        pg_over = max(short["pg"][i] - bare[i], 1e-9)
+        our_over = max(short["ours"][i] - bare[i], 0.0)
+        name = f"{what}, {SHORT_STEPS} supersteps: overhead per invoke"
+        rows.append([name, ms(pg_over), ms(our_over), fmt_ratio(our_over / pg_over)])
+        b.add("langgraph", f"{name} (vs PostgresSaver, info)", f"{ms(our_over)}, {rows[-1][3]}")
+    print(table(rows, ["figure", "PostgresSaver", "DurableSaver", "ratio"]))
 
 
 def _bytes(pg, pg_thread: str, our_thread: str) -> tuple[int, int]:
