@@ -159,9 +159,9 @@ class PostgresLangGraph(LangGraphStore):
     def make_thread(self, run: Run, start: dict[str, Any], created: Event, thread: Thread) -> int:
         if self.conn.in_atomic_block:
             return super().make_thread(run, start, created, thread)
-        # One statement rather than the ORM's transaction of six: a new thread's first
-        # checkpoint waits for it, and a graph of a few supersteps paid more for it than for
-        # its checkpoints.
+        # One statement rather than the ORM's transaction of six INSERTs: a new thread's
+        # first checkpoint waits for it, and a graph of a few supersteps paid more for it
+        # than for its checkpoints.
         fields = dict(start)
         seq = fields["seq"]
         mutation = Mutation(

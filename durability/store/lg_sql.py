@@ -9,6 +9,10 @@ text as it was sent, so the canonical bytes are stored unchanged); a
 checkpoint with everything its state is rebuilt from (and its pending writes) one recursive
 query. Each is prepared once per session of the saver's own connections, with a generic
 plan (``PostgresLangGraph.own_session``).
+
+Once per thread or per change of its status, on the saver's own thread: a new thread's rows
+(``new_thread``: the rows Django would save, one ``INSERT`` per CTE) and a status report
+with its event (``report``: lifecycle's change of the run, rendered).
 """
 
 from __future__ import annotations
