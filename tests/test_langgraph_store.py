@@ -77,6 +77,8 @@ def test_a_new_thread_is_made_all_at_once_as_the_orm_makes_it():
     }
     (report,) = operations.verify(one.run_id)
     assert report.ok, str(report)
+    one.run.save()  # the instances it made are stored ones: saved again, they are updated
+    one.save()
     # Again: the thread is found, and nothing is made.
     counts = (Run.objects.count(), Checkpoint.objects.count(), Event.objects.count())
     again, none = store.thread_of("made-at-once", "", graph="g", create=True)

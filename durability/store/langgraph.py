@@ -175,6 +175,9 @@ class PostgresLangGraph(LangGraphStore):
         with self.conn.cursor() as cur:
             cur.execute(sql, params)
             cp_id, thread.pk = cur.fetchone()
+        for saved in (run, thread):  # as ``save()`` leaves them: stored, in this database
+            saved._state.adding = False
+            saved._state.db = self.conn.alias
         return cp_id
 
     def report(self, run_id: Any, change: lifecycle.GraphChange, event: Event) -> bool:
