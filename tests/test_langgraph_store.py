@@ -57,7 +57,7 @@ def _without(row: dict, *keys: str) -> dict:
 def test_a_new_thread_is_made_all_at_once_as_the_orm_makes_it():
     """On PostgreSQL a new thread's rows (its run, first checkpoint, event, thread row) are
     one statement; in a caller's transaction, and on SQLite, the ORM writes them. Both write
-    the same rows; the thread's first checkpoint needs no read; and making a thread that
+    the same rows; the first checkpoint comes back as stored; and making a thread that
     another process made meanwhile changes nothing."""
     one, start = store.thread_of("made-at-once", "", graph="g", create=True)
     with transaction.atomic():
