@@ -311,18 +311,6 @@ def apply_graph(run_id: Any, change: GraphChange) -> bool:
     return _apply(change.op, run_id, where=where, **fields)
 
 
-def graph_waits(run_id: Any, detail: str) -> bool:
-    return apply_graph(run_id, graph_change("graph_waits", detail=detail))
-
-
-def graph_ended(run_id: Any) -> bool:
-    return apply_graph(run_id, graph_change("graph_ended"))
-
-
-def graph_failed(run_id: Any, *, error: str, code: str) -> bool:
-    return apply_graph(run_id, graph_change("graph_failed", error=error, code=code))
-
-
 # --- an operator's, on a run whose row the caller has locked ------------------------------
 
 
@@ -394,15 +382,16 @@ def roll_back(run: Run, *, seq: int, step: str, held: bool, detail: str) -> None
 __all__ = [
     "ALLOWED",
     "TRANSITIONS",
+    "At",
+    "GraphChange",
     "Transition",
     "after_step",
+    "apply_graph",
     "cancel",
     "claimed",
     "fail",
     "first_status",
-    "graph_ended",
-    "graph_failed",
-    "graph_waits",
+    "graph_change",
     "park",
     "release",
     "requeue",

@@ -67,9 +67,13 @@ CONDITIONAL = {
     "park": lambda run: lifecycle.park(run.pk, WaitReason.CONCURRENCY, "full", later()),
     "requeue": lambda run: lifecycle.requeue(run.pk, run.lease_token, Q()),
     # A LangGraph graph executed in its own process reports what its checkpoints say.
-    "graph_waits": lambda run: lifecycle.graph_waits(run.pk, "an answer to: refund?"),
-    "graph_ended": lambda run: lifecycle.graph_ended(run.pk),
-    "graph_failed": lambda run: lifecycle.graph_failed(run.pk, error="boom", code="DUR501"),
+    "graph_waits": lambda run: lifecycle.apply_graph(
+        run.pk, lifecycle.graph_change("graph_waits", detail="an answer to: refund?")
+    ),
+    "graph_ended": lambda run: lifecycle.apply_graph(run.pk, lifecycle.graph_change("graph_ended")),
+    "graph_failed": lambda run: lifecycle.apply_graph(
+        run.pk, lifecycle.graph_change("graph_failed", error="boom", code="DUR501")
+    ),
 }
 
 

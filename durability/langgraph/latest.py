@@ -70,7 +70,11 @@ def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> F
 
 def start(db: Any, run_id: Any) -> Stored:
     """The empty first checkpoint of a thread's run (the parent of its first ``put``)."""
-    cp_id, state_hash, chain_hash, size = lg_store.for_connection(db).start(run_id)
+    return first(*lg_store.for_connection(db).start(run_id))
+
+
+def first(cp_id: int, state_hash: str, chain_hash: str, size: int) -> Stored:
+    """A thread's run's empty first checkpoint, as the saver keeps it."""
     return Stored(cp_id, 0, "", state_hash, chain_hash, 0, size, {}, b"{}")
 
 

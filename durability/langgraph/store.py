@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
-from durability.langgraph.latest import Stored
+from durability.langgraph.latest import Stored, first
 from durability.langgraph.models import Thread
 from durability.langgraph.status import MID_RUN
 from durability.models import Checkpoint, CheckpointReason, Event, EventKind, Run, RunStatus
@@ -103,15 +103,12 @@ def thread_of(
         if thread is None:
             raise
         return thread, None
-    made = Stored(
-        start_id, 0, "", start["state_hash"], start["chain_hash"], 0, start["size"], {}, b"{}"
-    )
-    return thread, made
+    return thread, first(start_id, start["state_hash"], start["chain_hash"], start["size"])
 
 
 def start_of(thread: Thread) -> Stored:
     cp = Checkpoint.objects.get(run_id=thread.run_id, seq=0)
-    return Stored(cp.id, 0, "", cp.state_hash, cp.chain_hash, 0, cp.size, {}, b"{}")
+    return first(cp.id, cp.state_hash, cp.chain_hash, cp.size)
 
 
 def stored(thread: Thread, lg_id: str) -> Stored | None:
