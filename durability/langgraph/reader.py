@@ -90,14 +90,21 @@ def _snapshot(run_id: Any, seq: int, state_hash: str, text: str, digest: str) ->
 
 def pending_writes(thread: Thread, lg_ids: list[str], serde: Any) -> dict[str, list]:
     """The pending writes of a thread's checkpoints ``lg_ids``, by checkpoint, each as
-    LangGraph hands them back (task id, channel, value), in LangGraph's order."""
-    found: dict[str, list] = {}
-    rows = PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).values_list(
-        "checkpoint_id", "task_id", "idx", "channel", "task_path", "value"
-    )
-    for lg_id, task_id, _idx, channel, _path, value in sorted(
-        rows, key=lambda r: (r[0], *writes_sort_key(r[4], r[1], r[2]))
-    ):
-        decoded = codec.decode(canonical.loads(value), serde)
-        found.setdefault(lg_id, []).append((task_id, channel, decoded))
-    return found
+    LangGraph hands them back (``decoded_writes``)."""
+    rows: dict[str, list] = {}
+    for lg_id, *row in PendingWrite.objects.filter(
+        thread=thread, checkpoint_id__in=lg_ids
+    ).values_list("checkpoint_id", "task_id", "idx", "channel", "task_path", "value"):
+        rows.setdefault(lg_id, []).append(row)
+    return {lg_id: decoded_writes(found, serde) for lg_id, found in sorted(rows.items())}
+
+
+def decoded_writes(rows: list, serde: Any) -> list[tuple[str, str, Any]]:
+    """Stored writes (task id, index, channel, task path, value) as LangGraph hands them
+    back (task id, channel, value), in LangGraph's order."""
+    return [
+        (task_id, channel, codec.decode(canonical.loads(value), serde))
+        for task_id, _idx, channel, _path, value in sorted(
+            rows, key=lambda w: writes_sort_key(w[3], w[0], w[1])
+        )
+    ]

@@ -43,7 +43,6 @@ from langgraph.checkpoint.base import (
     SerializerProtocol,
     get_checkpoint_id,
     get_checkpoint_metadata,
-    writes_sort_key,
 )
 
 from durability import canonical, checkpoints
@@ -232,12 +231,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             self._last[found.thread] = found.stored
             self._head_seq[found.thread] = found.head_seq
             doc = found.stored.doc
-            writes = [
-                (task_id, channel, codec.decode(canonical.loads(value), self.serde))
-                for task_id, _idx, channel, _path, value in sorted(
-                    found.writes, key=lambda w: writes_sort_key(w[3], w[0], w[1])
-                )
-            ]
+            writes = reader.decoded_writes(found.writes, self.serde)
             return shared.checkpoint_tuple(
                 self.serde, thread_id, ns, found.stored.lg_id, found.lg_parent, doc, writes
             )
