@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.db import DEFAULT_DB_ALIAS, connection, connections
+from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
@@ -225,6 +226,27 @@ def test_a_new_saver_continues_from_the_last_checkpoint():
     fresh = graphs.branches().compile(checkpointer=DurableSaver())
     assert fresh.invoke(None, cfg) == {"log": ["a", "b", "join"]}
     assert graphs.CALLS == {"a": 1, "b": 2, "join": 1}
+
+
+def test_a_thread_another_saver_made_after_get_tuple_found_nothing_is_the_one_used():
+    """A saver that found nothing for a thread makes it at its first ``put`` without looking
+    for it first; if another saver (another process) made it meanwhile, making it fails
+    whole and the saver stores on the thread that exists: one thread, one run."""
+    cfg = config()
+    late, early = DurableSaver(), DurableSaver()
+    assert late.get_tuple(cfg) is None
+    graphs.tool_loop().compile(checkpointer=early).invoke(graphs.first_input(), cfg)
+    before = early.get_tuple(cfg)
+    ours = empty_checkpoint()
+    stored = late.put(before.config, ours, {"source": "update", "step": 99, "parents": {}}, {})
+    (thread,) = Thread.objects.filter(thread_id=cfg["configurable"]["thread_id"])
+    assert Run.objects.filter(agent="agent", input__contains=thread.thread_id).count() == 1
+    assert stored["configurable"]["checkpoint_id"] == ours["id"]
+    latest = DurableSaver().get_tuple(cfg)
+    assert latest.checkpoint["id"] == ours["id"]
+    assert latest.parent_config["configurable"]["checkpoint_id"] == before.checkpoint["id"]
+    (report,) = operations.verify(thread.run_id)
+    assert report.ok, str(report)
 
 
 def test_async_matches_in_memory():

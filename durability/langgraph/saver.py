@@ -97,6 +97,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._last: dict[int, store.Stored] = {}
         self._head_seq: dict[int, int] = {}
         self._encoders: dict[int, codec.Encoder] = {}
+        # Namespaces ``get_tuple`` found nothing in: LangGraph's next call there is a
+        # ``put`` that makes the thread, which then need not be looked up first.
+        self._absent: set[tuple[str, str]] = set()
         self._snapshots = checkpoints.SnapshotWriter()
         self._status = status.Reporter()
         # PostgreSQL: the connections of the calls made at every superstep (see the
@@ -221,8 +224,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 if known is not None:  # read the thread's head again next time
                     self._last.pop(known.pk, None)
                 raise
+            if found is None and known is None:
+                if len(self._absent) >= self.cached_threads:
+                    self._absent.clear()  # a hint only: bounded, as the caches are
+                self._absent.add((thread_id, ns))
             if found is None or found.stored is None:
                 return None
+            self._absent.discard((thread_id, ns))
             if known is None:
                 known = Thread(
                     id=found.thread, thread_id=thread_id, checkpoint_ns=ns, run_id=found.run_id
@@ -520,7 +528,11 @@ class DurableSaver(BaseCheckpointSaver[int]):
         key = (thread_id, ns)
         thread = self._threads.get(key)
         if thread is None:
-            thread, start = store.thread_of(thread_id, ns, graph=self.graph, create=create)
+            absent = key in self._absent
+            self._absent.discard(key)
+            thread, start = store.thread_of(
+                thread_id, ns, graph=self.graph, create=create, absent=absent
+            )
             if thread is None:
                 return None
             self._remember(thread)

@@ -49,14 +49,16 @@ class NewCheckpoint:
 
 
 def thread_of(
-    thread_id: str, ns: str, *, graph: str, create: bool
+    thread_id: str, ns: str, *, graph: str, create: bool, absent: bool = False
 ) -> tuple[Thread | None, Stored | None]:
     """The namespace's thread row and run; made (with the run and its empty first
     checkpoint) when ``create``. A subgraph's namespace is a child run of its parent's.
     Second: the first checkpoint, if this call made it (the parent of the thread's first
-    ``put``, which need not read it back)."""
+    ``put``, which need not read it back). ``absent``: the caller read the namespace a
+    moment ago and found nothing, so it is made without being looked up first (if another
+    process made it meanwhile, making it fails and it is read, as below)."""
     found = Thread.objects.select_related("run").filter(thread_id=thread_id, checkpoint_ns=ns)
-    thread = found.first()
+    thread = None if create and absent else found.first()
     if thread is not None or not create:
         return thread, None
     parent = None

@@ -172,9 +172,9 @@ class PostgresLangGraph(LangGraphStore):
         )
         cp = Checkpoint(run=run, parent=None, **fields)
         sql, params = lg_sql.new_thread(self.conn, run, cp, mutation, snapshot, created, thread)
-        with self.conn.cursor() as cur:
-            cur.execute(sql, params)
-            cp_id, thread.pk = cur.fetchone()
+        # Bound and prepared by the server like the saver's other statements: bound into its
+        # text by the client, this statement of six INSERTs cost about 1 ms of CPU a thread.
+        cp_id, thread.pk = cast(tuple, self._prepared().fetch_one_prepared(sql, params))
         for saved in (run, thread):  # as ``save()`` leaves them: stored, in this database
             saved._state.adding = False
             saved._state.db = self.conn.alias
@@ -185,9 +185,7 @@ class PostgresLangGraph(LangGraphStore):
             return super().report(run_id, change, event)
         # One statement: the report at a graph's end is on the path of its last ``put``.
         sql, params = lg_sql.report(self.conn, run_id, change, event)
-        with self.conn.cursor() as cur:
-            cur.execute(sql, params)
-            return bool(cur.fetchone()[0])
+        return bool(cast(tuple, self._prepared().fetch_one_prepared(sql, params))[0])
 
     def head_seq(self, run_id: Any) -> int:
         with self.conn.cursor() as cur:
