@@ -210,6 +210,33 @@ def test_a_report_made_before_one_already_written_never_overwrites_it():
     assert run.wait_detail == MID_RUN
 
 
+def test_a_saver_that_never_saw_the_thread_reports_its_status_as_the_one_that_made_it():
+    """Another process answers the interrupts: its saver learns the thread by reading it
+    (on PostgreSQL with the run's agent, so that it knows without a query that no worker
+    executes the run) and reports the run going on and then succeeding."""
+    thread = f"fan-{uuid.uuid4().hex[:8]}"
+    config = {"configurable": {"thread_id": thread}}
+    first, other = DurableSaver(graph="fan-out"), DurableSaver(graph="fan-out")
+    try:
+        asked = fan_out().compile(checkpointer=first).invoke({"answers": []}, config)
+        run = _run_of(first, thread)
+        assert run.status == "waiting" and "may billing go on?" in run.wait_detail
+        answers = {i.id: "yes" for i in asked["__interrupt__"]}
+        graph = fan_out().compile(checkpointer=other)
+        assert sorted(graph.invoke(Command(resume=answers), config)["answers"]) == [
+            "billing: yes",
+            "shipping: yes",
+        ]
+        run.refresh_from_db()
+        assert run.status == "succeeded" and run.wait_detail == ""
+        kinds = list(run.events.order_by("id").values_list("kind", flat=True))
+        assert kinds[-1] == "succeeded" and kinds.count("succeeded") == 1, kinds
+    finally:
+        first.close()
+        other.close()
+        gc.collect()
+
+
 def test_a_static_breakpoint_shows_as_waiting_for_the_graph_to_go_on():
     """``interrupt_before`` stores no interrupt, only the next tasks: the run waits for its
     graph to go on, and ``invoke(None)`` continues it to its end."""

@@ -236,6 +236,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                     id=found.thread, thread_id=thread_id, checkpoint_ns=ns, run_id=found.run_id
                 )
                 self._remember(known)
+                self._status.found(known, found.agent)
             self._last[found.thread] = found.stored
             self._head_seq[found.thread] = found.head_seq
             doc = found.stored.doc

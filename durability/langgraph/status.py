@@ -115,6 +115,14 @@ class Reporter:
             elif run.status == RunStatus.SUCCEEDED:
                 self._said[thread.pk] = "end:"
 
+    def found(self, thread: Thread, agent: str) -> None:
+        """Whether the workers execute ``thread``'s run, from its agent as a read of the
+        thread found it: its first report then costs no query."""
+        with self._lock:
+            if thread.pk not in self._outside:
+                run = Run(pk=thread.run_id, agent=agent)
+                self._outside[thread.pk] = outside_workers(run, has_thread=True)
+
     def forget(self, threads: Iterable[int]) -> None:
         """Drop what is kept of ``threads`` (their saver forgot them): a report for one made
         later is written, whether or not it changes anything."""
