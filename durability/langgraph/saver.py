@@ -97,8 +97,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._last: dict[int, store.Stored] = {}
         self._head_seq: dict[int, int] = {}
         self._encoders: dict[int, codec.Encoder] = {}
-        # Namespaces ``get_tuple`` found nothing in: LangGraph's next call there is a
-        # ``put`` that makes the thread, which then need not be looked up first.
+        # Namespaces ``get_tuple`` found no checkpoint in (``_note_absent``).
         self._absent: set[tuple[str, str]] = set()
         self._snapshots = checkpoints.SnapshotWriter()
         self._status = status.Reporter()
@@ -224,10 +223,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 if known is not None:  # read the thread's head again next time
                     self._last.pop(known.pk, None)
                 raise
-            if found is None and known is None:
-                if len(self._absent) >= self.cached_threads:
-                    self._absent.clear()  # a hint only: bounded, as the caches are
-                self._absent.add((thread_id, ns))
+            if found is None and known is None and not wanted:
+                self._note_absent(thread_id, ns)
             if found is None or found.stored is None:
                 return None
             self._absent.discard((thread_id, ns))
@@ -542,6 +539,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 self._last[thread.pk] = start
             self._status.known(thread)
         return thread
+
+    def _note_absent(self, thread_id: str, ns: str) -> None:
+        """The namespace has no checkpoint: its next ``put`` makes the thread without
+        looking it up first (``store.thread_of``). A hint, bounded as the caches are."""
+        if len(self._absent) >= self.cached_threads:
+            self._absent.clear()
+        self._absent.add((thread_id, ns))
 
     def _known(self, thread_id: str, ns: str) -> Thread:
         """The namespace's thread, made if new (on the saver's thread: not with ``_lock``
