@@ -12,7 +12,8 @@ plan (``PostgresLangGraph.own_session``).
 
 Once per thread or per change of its status, on the saver's own thread: a new thread's rows
 (``new_thread``: the rows Django would save, one ``INSERT`` per CTE) and a status report
-with its event (``report``: lifecycle's change of the run, rendered).
+with its event (``report``: lifecycle's change of the run, rendered); prepared too, on that
+thread's connection.
 """
 
 from __future__ import annotations
