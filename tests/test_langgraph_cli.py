@@ -80,6 +80,7 @@ def test_the_example_runs_in_its_own_process_and_its_run_says_where_it_is():
     listed = command("list")
     line = next(row for row in listed.splitlines() if row.startswith(run.short_id))
     assert BADGE in line and "an answer to:" in line, line
+    assert line.split()[1:3] == ["support-graph@langgraph", "waiting"], line  # not cut
     shown = command("show", str(run.id))
     assert f"{BADGE}: thread {thread} of graph support-graph" in shown
     assert "Command(resume=...)" in shown and thread in shown

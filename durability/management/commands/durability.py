@@ -162,18 +162,23 @@ class Command(BaseCommand):
                 ' --input \'{"question": "What is a fencing token?"}\''
             )
             return
+        # As wide as the page's longest agent@version (a graph's version is "langgraph"),
+        # within reason.
+        agents = [f"{run.agent}@{run.agent_version}"[:40] for run in rows]
+        wide = max(16, max(map(len, agents)) + 1)
         self.say(
-            f"{'run':<10}{'agent':<16}{'status':<11}{'step':<14}{'ckpts':>6}  {'age':<8}waiting on"
+            f"{'run':<10}{'agent':<{wide}}{'status':<11}{'step':<14}{'ckpts':>6}  {'age':<8}"
+            "waiting on"
         )
         graphs = lg_cli.marks(rows)  # LangGraph graphs executed in their own process
-        for run in rows:
+        for run, agent in zip(rows, agents, strict=True):
             waiting = f"{run.wait_reason} {run.wait_detail}".strip() if run.wait_reason else ""
             if run.pk in graphs:
                 waiting = f"[{graphs[run.pk]}] {run.wait_detail[:60]}".strip()
             if run.status == RunStatus.FAILED:
                 waiting = run.error[:60]
             self.say(
-                f"{run.short_id:<10}{(run.agent + '@' + run.agent_version)[:15]:<16}"
+                f"{run.short_id:<10}{agent:<{wide}}"
                 f"{run.status:<11}{(run.step or '-')[:13]:<14}{run.head_seq + 1:>6}  "
                 f"{age(run.created_at):<8}{waiting}"
             )
