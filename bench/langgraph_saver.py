@@ -75,7 +75,9 @@ def _floor_saver(db_url: str):
     serializing, no diff, no hash) and writes one ~1 KB row per checkpoint, flushed before
     ``put`` returns: what any saver that makes each checkpoint durable before the next
     superstep pays at least (LangGraph's own checkpointing work and one flushed round trip).
-    A reference for the overhead target, not a saver: it cannot recover anything."""
+    A reference for the overhead target, not a saver: it cannot recover anything. Its table
+    is an ordinary one: a temporary table is not written to the WAL, so nothing would be
+    flushed."""
     import psycopg
     from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 
@@ -83,7 +85,8 @@ def _floor_saver(db_url: str):
         def __init__(self) -> None:
             super().__init__()
             self.conn = psycopg.connect(db_url, autocommit=True)
-            self.conn.execute("CREATE TEMP TABLE floor_checkpoint (id text PRIMARY KEY, body text)")
+            self.conn.execute(f"DROP TABLE IF EXISTS {_FLOOR}")
+            self.conn.execute(f"CREATE TABLE {_FLOOR} (id text PRIMARY KEY, body text)")
             self.latest: dict[str, CheckpointTuple] = {}
 
         def get_tuple(self, config):
@@ -99,19 +102,22 @@ def _floor_saver(db_url: str):
                     "checkpoint_id": checkpoint["id"],
                 }
             }
-            self.conn.execute(
-                "INSERT INTO floor_checkpoint VALUES (%s, %s)", (checkpoint["id"], _KB)
-            )
+            self.conn.execute(f"INSERT INTO {_FLOOR} VALUES (%s, %s)", (checkpoint["id"], _KB))
             self.latest[thread] = CheckpointTuple(saved, checkpoint, metadata, config)
             return saved
 
         def put_writes(self, config, writes, task_id, task_path=""):
             pass
 
+        def close(self) -> None:
+            self.conn.execute(f"DROP TABLE {_FLOOR}")
+            self.conn.close()
+
     return FloorSaver()
 
 
 _KB = "x" * 1024
+_FLOOR = "bench_floor_checkpoint"
 
 
 def _time(fn) -> float:
@@ -176,7 +182,7 @@ def run(b: Bench) -> None:
                 runs[name].append((thread, _invoke(graph, thread)))
         strict.close()
         relaxed.close()
-        floor.conn.close()
+        floor.close()
         times = {name: median([t for _, t in done]) for name, done in runs.items()}
         stored = _bytes(pg, runs["pg"][-1][0], runs["ours"][-1][0])
         gets, lists = _reads(pg, runs["pg"][-1][0], runs["ours"][-1][0], repeats)
