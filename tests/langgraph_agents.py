@@ -205,3 +205,6 @@ questions = agent("lg-questions", questions_graph)
 
 # A parent graph whose node is a subgraph that interrupts (tests.langgraph_graphs).
 nested = agent("lg-nested", langgraph_graphs.with_subgraph)
+
+# Delta channels (``langgraph_graphs.delta_chat``): their values are in a few checkpoints only.
+delta_chat = agent("lg-delta", lambda: langgraph_graphs.delta_chat(turns=7))

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Annotated, TypedDict
 
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
+from langgraph.channels import DeltaChannel
 from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
+from langgraph.graph.message import _messages_delta_reducer, add_messages
 from langgraph.types import interrupt
 
 CALLS: Counter[str] = Counter()
@@ -234,4 +235,49 @@ def pairs(turns: int, pause: float = 0.0, announce: bool = False) -> StateGraph:
     g.add_edge(START, "b")
     g.add_edge(["a", "b"], "count")
     g.add_conditional_edges("count", route, ["a", "b", END])
+    return g
+
+
+def extend(state: list, writes: list) -> list:
+    """A delta channel's reducer: every write's items appended (batching-invariant)."""
+    return [*state, *(item for write in writes for item in write)]
+
+
+def delta_chat(turns: int, every: int = 3) -> StateGraph:
+    """A chat whose ``messages`` (LangGraph's delta reducer for messages, as its docs show)
+    and ``log`` are LangGraph delta channels: stored whole every ``every`` (and ``every +
+    2``) updates, rebuilt from the writes since in between. ``turns`` supersteps, each of
+    two tasks that both write to ``log``."""
+    # Functional form: the channels' settings are this call's.
+    state = TypedDict(  # noqa: UP013
+        "DeltaChat",
+        {
+            "messages": Annotated[
+                list[AnyMessage], DeltaChannel(_messages_delta_reducer, snapshot_frequency=every)
+            ],
+            "log": Annotated[list, DeltaChannel(extend, snapshot_frequency=every + 2)],
+            "turns": int,
+        },
+    )
+
+    def model(state: dict) -> dict:
+        n = state.get("turns", 0)
+        return {
+            "messages": [AIMessage(f"answer {n}", id=f"ai-{n}-{len(state['messages'])}")],
+            "log": [f"turn {n}"],
+            "turns": n + 1,
+        }
+
+    def note(state: dict) -> dict:
+        return {"log": [f"note {state.get('turns', 0)}"]}
+
+    def route(state: dict) -> list[str] | str:
+        return ["model", "note"] if state["turns"] < turns else END
+
+    g = StateGraph(state)
+    g.add_node("model", model)
+    g.add_node("note", note)
+    g.add_edge(START, "model")
+    g.add_edge(START, "note")
+    g.add_conditional_edges("model", route, ["model", "note", END])
     return g

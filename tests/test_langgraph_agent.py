@@ -27,6 +27,7 @@ from durability.models import (
 from durability.runtime import inflight
 from durability.testing import drive
 from tests import langgraph_agents as graphs
+from tests import langgraph_graphs
 from tests.dashboard_helpers import OPERATORS, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -250,6 +251,31 @@ def test_a_fork_from_a_superstep_continues_the_graph_in_a_new_run(ledger):
         [("search", f"q{i}") for i in range(1, graphs.TURNS)]
         + [("log", f"t{i + 1}") for i in range(1, graphs.TURNS)]
     )
+
+
+@pytest.mark.smoke
+def test_a_graph_with_delta_channels_keeps_their_values_at_every_superstep():
+    # LangGraph keeps a delta channel's value out of most checkpoints and rebuilds it from
+    # older ones; the run's state is one checkpoint, so it holds their values whole.
+    start = {
+        "messages": [{"type": "human", "content": "hello", "id": "human-0"}],
+        "log": ["start"],
+        "turns": 0,
+    }
+    graph = langgraph_graphs.delta_chat(turns=7).compile(checkpointer=InMemorySaver())
+    expected = graph.invoke(start, {"configurable": {"thread_id": "reference"}})
+    run = operations.start("lg-delta", start)
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == expected
+    # Each superstep's checkpoint shows them as JSON, one more turn each.
+    states = [operations.state_at(run, seq) for seq in range(2, done.head_seq + 1)]
+    assert [len(state["values"]["log"]) for state in states] == list(range(3, 17, 2))
+    assert all(m["__lg__"] == "message" for m in states[-1]["values"]["messages"])
+    # A fork from the middle goes on from the values that superstep held.
+    fork = operations.fork(run.id, 4, by="ops", reason="again from turn 2")
+    assert drive(fork.id).status == RunStatus.SUCCEEDED
+    assert graphs.values_of(fork.id) == expected
 
 
 def test_rollback_compensating_the_effect_runs_its_compensation_then_pays_again(ledger):

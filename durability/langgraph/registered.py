@@ -65,6 +65,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.db import connection
+from langgraph.channels import DeltaChannel
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import StateGraph
 from langgraph.pregel import Pregel
@@ -223,9 +224,10 @@ class GraphAgent(Agent):
         latest = saver.get_tuple(thread)
         if latest is None:  # pragma: no cover - the input (never None) is always stored
             raise AgentDefinitionError(f"agent {self.name}: the graph stored no checkpoint")
+        after = graph.get_state(latest.config)
         state.clear()
-        state.update(document(latest, saver.serde))
-        return STEP if graph.get_state(latest.config).next else END
+        state.update(document(latest, saver.serde, held(graph, after.values)))
+        return STEP if after.next else END
 
 
 def decisions(snapshot: Any, ctx: Any) -> dict[str, Any]:
@@ -264,10 +266,23 @@ def agent(
     return GraphAgent(name, build, version=version, **options)
 
 
-def document(found: Any, serde: Any) -> dict:
-    """A LangGraph checkpoint tuple as the run's state: the shape ``DurableSaver`` stores."""
+def held(graph: Any, values: Any) -> dict[str, Any]:
+    """The values of the graph's delta channels (``DeltaChannel``) among ``values`` (its
+    ``get_state().values``). LangGraph keeps a delta channel's value out of most checkpoints
+    and rebuilds it from older ones; a run's state is one checkpoint with no ancestors to
+    rebuild from, so it holds their values whole, as LangGraph reads a channel's value
+    stored before it became a delta channel. Kept as patches, they cost what they change,
+    and the dashboard shows them at every superstep."""
+    names = [name for name, ch in graph.channels.items() if isinstance(ch, DeltaChannel)]
+    return {name: values[name] for name in names if isinstance(values, dict) and name in values}
+
+
+def document(found: Any, serde: Any, whole: dict[str, Any] | None = None) -> dict:
+    """A LangGraph checkpoint tuple as the run's state: the shape ``DurableSaver`` stores,
+    with ``whole`` (delta channels' values, ``held``) in place of what the checkpoint holds
+    of them (nothing, or at LangGraph's snapshots the value wrapped for its walk)."""
     fields = dict(found.checkpoint)
-    values = fields.pop("channel_values")
+    values = {**fields.pop("channel_values"), **(whole or {})}
     return {
         "checkpoint": codec.Encoder(serde).encode(fields),
         "values": codec.Encoder(serde).encode(values),

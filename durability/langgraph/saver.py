@@ -26,12 +26,12 @@ import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
 from typing import Any, TypeVar, cast
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connection
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -40,16 +40,16 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
     SerializerProtocol,
     get_checkpoint_id,
     get_checkpoint_metadata,
 )
 
 from durability import canonical, checkpoints
-from durability.langgraph import codec, latest, reader, shared, status, store
-from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.langgraph import codec, delta, latest, pruning, reader, shared, status, store
+from durability.langgraph.models import SavedCheckpoint, Thread
 from durability.langgraph.shared import Shared, connected, lg_config
-from durability.models import Checkpoint as StoredCheckpoint
 from durability.models import Run
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
@@ -353,35 +353,36 @@ class DurableSaver(BaseCheckpointSaver[int]):
     # --- deleting ------------------------------------------------------------------------
 
     def _delete_thread(self, thread_id: str) -> None:
-        with self._lock, transaction.atomic():
-            threads = list(Thread.objects.filter(thread_id=str(thread_id)))
-            runs = [t.run_id for t in threads]
-            # Checkpoints protect their parents: unlink them before the cascade.
-            StoredCheckpoint.objects.filter(run_id__in=runs).update(parent=None)
-            Run.objects.filter(pk__in=runs).delete()
-            for t in threads:
-                self._forget(t)
+        with self._lock:
+            for thread in pruning.delete_thread(thread_id):
+                self._forget(thread)
 
     def _prune(self, thread_ids: Sequence[str], strategy: str) -> None:
-        if isinstance(thread_ids, str):
-            raise TypeError("thread_ids must be a sequence of thread ids, not one string")
-        if strategy not in ("keep_latest", "delete"):
-            raise ValueError(f"unknown prune strategy {strategy!r}: keep_latest or delete")
-        for thread_id in thread_ids:
-            if strategy == "delete":
-                self._delete_thread(thread_id)
-                continue
-            with self._lock, transaction.atomic():
-                for thread in Thread.objects.filter(thread_id=str(thread_id)):
-                    rows = SavedCheckpoint.objects.filter(thread=thread)
-                    latest = rows.order_by("-lg_id").first()
-                    if latest is None:
-                        continue
-                    rows.exclude(pk=latest.pk).delete()
-                    rows.filter(pk=latest.pk).update(lg_parent_id="")
-                    PendingWrite.objects.filter(thread=thread).exclude(
-                        checkpoint_id=latest.lg_id
-                    ).delete()
+        with self._lock:
+            for thread in pruning.prune(thread_ids, strategy):
+                self._forget(thread)
+
+    # --- LangGraph's delta channels --------------------------------------------------------
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """What a ``DeltaChannel`` is rebuilt from (``delta.history``)."""
+        return self._call(self._delta_history, config, channels) if channels else {}
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        return await self._acall(self._delta_history, config, channels) if channels else {}
+
+    def _delta_history(
+        self, config: RunnableConfig, channels: Sequence[str]
+    ) -> dict[str, DeltaChannelHistory]:
+        conf = config["configurable"]
+        thread = self._thread(str(conf["thread_id"]), conf.get("checkpoint_ns", ""), create=False)
+        if thread is None:
+            return {ch: {"writes": []} for ch in channels}
+        return delta.history(thread, get_checkpoint_id(config) or "", channels, self.serde)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         raise NotImplementedError(

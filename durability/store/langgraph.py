@@ -124,6 +124,14 @@ class LangGraphStore:
         caller holds, where the rebuild may start (0: none). Only where ``one_statement``."""
         raise NotImplementedError("the saver reads one statement only on PostgreSQL")
 
+    def ancestors(self, thread: int, lg_id: str, depth: int) -> list[tuple[int, str]]:
+        """Checkpoint ``lg_id`` of the thread row ``thread`` and its LangGraph ancestors up
+        to ``depth`` generations back, nearest first, through each one's parent id: (the
+        checkpoint's id, its LangGraph id). Empty if there is no such checkpoint."""
+        with self.conn.cursor() as cur:
+            cur.execute(lg_sql.ANCESTORS, [thread, lg_id, thread, depth])
+            return [(int(cp_id), lg) for cp_id, lg in cur.fetchall()]
+
     def start(self, run_id: Any) -> tuple[int, str, str, int]:
         """The id, state hash, chain hash and size of the run's empty first checkpoint.
         Only where ``one_statement``."""

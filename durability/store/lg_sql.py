@@ -182,6 +182,21 @@ READ = {
     for by_id in (False, True)
 }
 
+# Portable (SQLite runs it too): a checkpoint and its LangGraph ancestors, nearest first,
+# through each one's parent id, down to a depth.
+ANCESTORS = f"""
+WITH RECURSIVE chain (checkpoint_id, lg_id, lg_parent_id, depth) AS (
+    SELECT checkpoint_id, lg_id, lg_parent_id, 0 FROM {SavedCheckpoint._meta.db_table}
+     WHERE thread_id = %s AND lg_id = %s
+    UNION ALL
+    SELECT s.checkpoint_id, s.lg_id, s.lg_parent_id, chain.depth + 1
+      FROM chain JOIN {SavedCheckpoint._meta.db_table} s
+        ON s.thread_id = %s AND s.lg_id = chain.lg_parent_id
+     WHERE chain.depth < %s
+)
+SELECT checkpoint_id, lg_id FROM chain ORDER BY depth
+"""
+
 START = f"""
 SELECT id, state_hash, chain_hash, size FROM {Checkpoint._meta.db_table}
  WHERE run_id = %(run)s AND seq = 0
