@@ -1,20 +1,102 @@
-"""Many checkpoints of one run rebuilt at once, for ``list``: every patch and snapshot on
-their paths read in two queries and applied in order, each patch checked against the state
-hashes it chains, instead of one rebuild per checkpoint."""
+"""``list``: the checkpoints it chooses, many of one run rebuilt at once (every patch and
+snapshot on their paths read in two queries and applied in order, each patch checked
+against the state hashes it chains, instead of one rebuild per checkpoint), with their
+pending writes."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from langgraph.checkpoint.base import writes_sort_key
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    Checkpoint,
+    CheckpointTuple,
+    get_checkpoint_id,
+    writes_sort_key,
+)
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
 from durability.langgraph import codec
-from durability.langgraph.models import PendingWrite, Thread
-from durability.models import Checkpoint, Mutation, Snapshot
+from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.langgraph.shared import lg_config
+from durability.models import Checkpoint as StoredCheckpoint
+from durability.models import Mutation, Snapshot
+
+
+def listed(
+    config: RunnableConfig | None,
+    filter: dict[str, Any] | None,
+    before: RunnableConfig | None,
+    limit: int | None,
+    serde: Any,
+) -> list[CheckpointTuple]:
+    """LangGraph's ``list``: the checkpoints of ``config``'s thread (every thread's if
+    None; one namespace's if it names one), newest first, whose metadata has ``filter``'s
+    values, older than ``before``, at most ``limit`` of them."""
+    threads = Thread.objects.all()
+    if config is not None:
+        conf = config["configurable"]
+        threads = threads.filter(thread_id=str(conf["thread_id"]))
+        if conf.get("checkpoint_ns") is not None:
+            threads = threads.filter(checkpoint_ns=conf["checkpoint_ns"])
+    rows = SavedCheckpoint.objects.filter(thread__in=threads).select_related("thread")
+    if config is not None and (wanted := get_checkpoint_id(config)):
+        rows = rows.filter(lg_id=wanted)
+    if before is not None and (before_id := get_checkpoint_id(before)):
+        rows = rows.filter(lg_id__lt=before_id)
+    chosen: list[SavedCheckpoint] = []
+    for row in rows.order_by("-lg_id"):
+        if limit is not None and len(chosen) >= limit:
+            break
+        if filter:
+            md = codec.decode(row.metadata, serde)
+            if not all(md.get(key) == value for key, value in filter.items()):
+                continue
+        chosen.append(row)
+    return _tuples(chosen, serde)
+
+
+def _tuples(chosen: list[SavedCheckpoint], serde: Any) -> list[CheckpointTuple]:
+    by_run: dict[Any, set[int]] = {}
+    for row in chosen:
+        by_run.setdefault(row.thread.run_id, set()).add(row.checkpoint_id)
+    decoded: dict[int, tuple[Any, Any, Any]] = {}
+    memo = codec.Memo(serde)
+
+    def emit(cp_id: int, doc: Any) -> None:
+        decoded[cp_id] = (
+            memo.decode(doc["checkpoint"]),
+            memo.decode(doc["values"]),
+            codec.decode(doc["metadata"], serde),
+        )
+
+    for run_id, ids in by_run.items():
+        each_state(run_id, ids, emit)
+    writes: dict[tuple[int, str], list] = {}
+    for thread_pk in {row.thread_id for row in chosen}:
+        thread = next(row.thread for row in chosen if row.thread_id == thread_pk)
+        lg_ids = [row.lg_id for row in chosen if row.thread_id == thread_pk]
+        for lg_id, found in pending_writes(thread, lg_ids, serde).items():
+            writes[(thread_pk, lg_id)] = found
+    result = []
+    for row in chosen:
+        fields, values, md = decoded[row.checkpoint_id]
+        thread_id, ns = row.thread.thread_id, row.thread.checkpoint_ns
+        result.append(
+            CheckpointTuple(
+                config=lg_config(thread_id, ns, row.lg_id),
+                checkpoint=cast(Checkpoint, {**fields, "channel_values": values}),
+                metadata=md,
+                parent_config=lg_config(thread_id, ns, row.lg_parent_id)
+                if row.lg_parent_id
+                else None,
+                pending_writes=writes.get((row.thread_id, row.lg_id), []),
+            )
+        )
+    return result
 
 
 def each_state(run_id: Any, wanted: set[int], emit: Callable[[int, Any], None]) -> None:
@@ -22,7 +104,7 @@ def each_state(run_id: Any, wanted: set[int], emit: Callable[[int, Any], None]) 
     first. The state is handed over before the next patch changes it in place: ``emit``
     must copy what it keeps."""
     rows = list(
-        Checkpoint.objects.filter(run_id=run_id)
+        StoredCheckpoint.objects.filter(run_id=run_id)
         .order_by("seq")
         .values_list("id", "parent_id", "state_hash", "seq")
     )

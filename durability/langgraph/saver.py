@@ -108,6 +108,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._closer = weakref.finalize(
             self, shared.shut, self._worker, self._snapshots, [self._db, self._writes_db]
         )
+        self._origin: DurableSaver | None = None  # ``with_allowlist``
 
     # --- writing -------------------------------------------------------------------------
 
@@ -288,67 +289,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         before: RunnableConfig | None,
         limit: int | None,
     ) -> builtins.list[CheckpointTuple]:
-        threads = Thread.objects.all()
-        if config is not None:
-            conf = config["configurable"]
-            threads = threads.filter(thread_id=str(conf["thread_id"]))
-            if conf.get("checkpoint_ns") is not None:
-                threads = threads.filter(checkpoint_ns=conf["checkpoint_ns"])
-        rows = SavedCheckpoint.objects.filter(thread__in=threads).select_related("thread")
-        if config is not None and (wanted := get_checkpoint_id(config)):
-            rows = rows.filter(lg_id=wanted)
-        if before is not None and (before_id := get_checkpoint_id(before)):
-            rows = rows.filter(lg_id__lt=before_id)
-        chosen: builtins.list[SavedCheckpoint] = []
-        for row in rows.order_by("-lg_id"):
-            if limit is not None and len(chosen) >= limit:
-                break
-            if filter:
-                md = codec.decode(row.metadata, self.serde)
-                if not all(md.get(key) == value for key, value in filter.items()):
-                    continue
-            chosen.append(row)
-        return self._tuples(chosen)
-
-    def _tuples(self, chosen: builtins.list[SavedCheckpoint]) -> builtins.list[CheckpointTuple]:
-        by_run: dict[Any, set[int]] = {}
-        for row in chosen:
-            by_run.setdefault(row.thread.run_id, set()).add(row.checkpoint_id)
-        decoded: dict[int, tuple[Any, Any, Any]] = {}
-        memo = codec.Memo(self.serde)
-
-        def emit(cp_id: int, doc: Any) -> None:
-            decoded[cp_id] = (
-                memo.decode(doc["checkpoint"]),
-                memo.decode(doc["values"]),
-                codec.decode(doc["metadata"], self.serde),
-            )
-
-        for run_id, ids in by_run.items():
-            reader.each_state(run_id, ids, emit)
-        writes: dict[tuple[int, str], list] = {}
-        for thread_pk in {row.thread_id for row in chosen}:
-            thread = next(row.thread for row in chosen if row.thread_id == thread_pk)
-            lg_ids = [row.lg_id for row in chosen if row.thread_id == thread_pk]
-            for lg_id, found in reader.pending_writes(thread, lg_ids, self.serde).items():
-                writes[(thread_pk, lg_id)] = found
-        result = []
-        for row in chosen:
-            fields, values, md = decoded[row.checkpoint_id]
-            result.append(
-                CheckpointTuple(
-                    config=lg_config(row.thread.thread_id, row.thread.checkpoint_ns, row.lg_id),
-                    checkpoint=cast(Checkpoint, {**fields, "channel_values": values}),
-                    metadata=md,
-                    parent_config=lg_config(
-                        row.thread.thread_id, row.thread.checkpoint_ns, row.lg_parent_id
-                    )
-                    if row.lg_parent_id
-                    else None,
-                    pending_writes=writes.get((row.thread_id, row.lg_id), []),
-                )
-            )
-        return result
+        return reader.listed(config, filter, before, limit, self.serde)
 
     # --- deleting ------------------------------------------------------------------------
 
@@ -485,6 +426,16 @@ class DurableSaver(BaseCheckpointSaver[int]):
         """Wait for the snapshots still being written, then close the saver's database
         connection and thread. Called at exit too."""
         self._closer()
+
+    def with_allowlist(self, extra_allowlist: Any) -> DurableSaver:
+        """LangGraph's strict msgpack mode (``LANGGRAPH_STRICT_MSGPACK``) compiles and
+        invokes a graph with a shallow copy of its saver whose serializer loads only the
+        graph's types. The copy shares this saver's connections, threads and memory, and
+        holds this saver, whose collection closes them, as long as it lives."""
+        clone = cast(DurableSaver, super().with_allowlist(extra_allowlist))
+        if clone is not self:
+            clone._origin = self._origin or self
+        return clone
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the saver's thread (directly if there), in the caller's context."""
