@@ -281,3 +281,43 @@ def delta_chat(turns: int, every: int = 3) -> StateGraph:
     g.add_edge(START, "note")
     g.add_conditional_edges("model", route, ["model", "note", END])
     return g
+
+
+class Tally(TypedDict):
+    log: Annotated[list, operator.add]
+    n: int
+
+
+def fan_out(width: int = 3) -> StateGraph:
+    """Map-reduce: the start sends one ``work`` task per item (``Send``), whose results the
+    ``log`` channel gathers."""
+    from langgraph.types import Send
+
+    def sends(state: Tally) -> list:
+        return [Send("work", {"log": [], "n": i}) for i in range(width)]
+
+    g = StateGraph(Tally)
+    g.add_node("work", lambda state: {"log": [state["n"] * 10]})
+    g.add_conditional_edges(START, sends, ["work"])
+    g.add_edge("work", END)
+    return g
+
+
+def handled_failure() -> StateGraph:
+    """``risky`` raises; its error handler (LangGraph's ``NodeError``) notes it and the
+    graph goes on to ``after``."""
+    from langgraph.errors import NodeError
+
+    def risky(state: Tally) -> dict:
+        raise ValueError("the tool is down")
+
+    def handler(state: Tally, error: NodeError) -> dict:
+        return {"log": [f"recovered from {error.node}: {error.error}"]}
+
+    g = StateGraph(Tally)
+    g.add_node("risky", risky, error_handler=handler)
+    g.add_node("after", lambda state: {"log": ["after"], "n": state["n"] + 1})
+    g.add_edge(START, "risky")
+    g.add_edge("risky", "after")
+    g.add_edge("after", END)
+    return g

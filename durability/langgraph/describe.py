@@ -23,7 +23,7 @@ from durability.errors import UnknownAgent
 from durability.langgraph import codec
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.runs import continue_code, how_to_continue
-from durability.langgraph.status import ERROR, INTERRUPT, node_of, shown
+from durability.langgraph.status import ERROR, HANDLED, INTERRUPT, node_of, shown
 from durability.store.lg_sql import AGENT_VERSION
 
 RESUME = "__resume__"
@@ -39,6 +39,7 @@ class Task:
     channels: list[str] = field(default_factory=list)
     routes: list[str] = field(default_factory=list)
     error: str = ""
+    handled: bool = False  # the node's error handler took ``error``
     interrupts: list[tuple[str, str]] = field(default_factory=list)  # (value as JSON, id)
     answers: list[str] = field(default_factory=list)
 
@@ -50,7 +51,8 @@ class Task:
         if self.routes:
             text += f" → {', '.join(self.routes)}"
         if self.error:
-            text += f" (raised {self.error})"
+            handled = ", handled by its error handler" if self.handled else ""
+            text += f" (raised {self.error}{handled})"
         return text
 
 
@@ -171,7 +173,11 @@ def _tasks(rows: Iterable[tuple], found: Any) -> dict[str, list[Task]]:
             task.answers.append(shown(codec.json_view(_value(text, found))))
         elif channel == ERROR:
             error = _value(text, found)
-            task.error = shown(f"{type(error).__name__}: {error}", 300)
+            # Stored, an exception is its repr ("ValueError('...')"), as LangGraph stores it.
+            said = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            task.error = shown(said, 300)
+        elif channel == HANDLED:
+            task.handled = True
         elif not channel.startswith("__"):
             task.channels.append(channel)
     grouped: dict[str, list[Task]] = {}
@@ -227,6 +233,6 @@ def waiting(run: Any, head_values: Any = None) -> Waiting:
     tasks = writes_of(thread.pk, [head]).get(head, []) if thread and head else []
     answered = any(t.answers for t in tasks)
     interrupts = [] if answered else [(t.node, v, i) for t in tasks for v, i in t.interrupts]
-    errors = [(t.node, t.error) for t in tasks if t.error]
+    errors = [(t.node, t.error) for t in tasks if t.error and not t.handled]
     values = head_values if isinstance(head_values, dict) else {}
     return Waiting(thread, next_nodes(values), interrupts, errors)

@@ -12,7 +12,8 @@ LangGraph):
 - a node called ``interrupt()``: ``waiting``, for "an answer to: <the interrupt's value>";
 - the latest checkpoint has no task to run: ``succeeded`` (the graph reached its end;
   invoked again on its thread, it waits again);
-- a node raised (LangGraph's error write): ``failed``, with the error.
+- a node raised (LangGraph's error write): ``failed``, with the error, unless the node's
+  error handler takes the error (the graph goes on).
 
 Only changes are written: the saver remembers per thread what it reported last, so a
 superstep that changes nothing (the usual case) costs nothing here. A report that cannot be
@@ -47,20 +48,26 @@ MID_RUN = (
 )
 ANSWER = "an answer to: "
 INTERRUPT, ERROR = "__interrupt__", "__error__"
-_TRIGGERS = ("__start__", "__pregel_tasks")
+# Written beside a task's error when a node's error handler takes it: the graph goes on.
+HANDLED = "__error_source_node__"
+_START, _SENT = "__start__", "__pregel_tasks"
 _BRANCH = "branch:to:"
 
 
 def next_nodes(values: Mapping[str, Any]) -> list[str]:
     """The nodes a checkpoint's channel values say run next (empty: the graph's end).
-    ``__pregel_tasks`` stands for tasks sent with ``Send``."""
+    ``__pregel_tasks`` stands for tasks sent with ``Send``: the channel stays, empty, in
+    the checkpoints after they ran."""
     found = [key[len(_BRANCH) :] for key in values if key.startswith(_BRANCH)]
-    return found + [key for key in _TRIGGERS if key in values]
+    return found + [_START] * (_START in values) + [_SENT] * bool(values.get(_SENT))
 
 
 def node_of(task_path: str) -> str:
-    """The node a task ran, from LangGraph's task path ("~__pregel_pull, model")."""
+    """The node a task ran, from LangGraph's task path ("~__pregel_pull, model"; a node's
+    error handler's: "~__pregel_pull, model, node_error_handler, ...")."""
     parts = [p.strip() for p in task_path.split(",")]
+    if len(parts) >= 3 and parts[0] == "~__pregel_pull" and parts[2] == "node_error_handler":
+        return f"{parts[1]}'s error handler"
     if len(parts) >= 2 and parts[0] == "~__pregel_pull":
         return parts[1]
     return "a sent task" if parts[0] == "~__pregel_push" else ""
@@ -215,7 +222,12 @@ class Reporter:
 
 def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] | None:
     """What an interrupt or an error among a task's writes says of the run, if any: a
-    failure's message, or what the interrupt asks."""
+    failure's message, or what the interrupt asks. An error the node's error handler takes
+    (LangGraph writes ``HANDLED`` beside it) stops nothing: the graph goes on to the
+    handler."""
+    writes = list(writes)
+    if any(channel == HANDLED for channel, _ in writes):
+        return None
     for channel, value in writes:
         if channel == INTERRUPT:
             asked = [getattr(i, "value", i) for i in (value or ())]

@@ -1,0 +1,146 @@
+"""More of LangGraph's documented patterns with ``DurableSaver`` beside ``InMemorySaver``:
+map-reduce with ``Send``, a node's error handler, the functional API, the durability modes
+and a subgraph with a history of its own. The same results and history, and the run's
+status says what the graph did (a finished map-reduce ended, a handled error is no
+failure)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.errors import NodeError
+from langgraph.func import entrypoint, task
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, interrupt
+
+from durability.langgraph import DurableSaver, describe
+from durability.langgraph.models import Thread
+from durability.models import Event, Run
+from tests import langgraph_graphs as graphs
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
+
+START_VALUES = {"log": [], "n": 0}
+
+
+def config() -> dict:
+    return {"configurable": {"thread_id": uuid.uuid4().hex}}
+
+
+def history(graph, cfg) -> list:
+    return [
+        (s.values, s.next, s.metadata.get("source"), s.metadata.get("step"), len(s.tasks))
+        for s in graph.get_state_history(cfg)
+    ]
+
+
+def run_of(cfg) -> Run:
+    return Thread.objects.get(thread_id=cfg["configurable"]["thread_id"], checkpoint_ns="").run
+
+
+def side_by_side(builder, call) -> tuple[dict, list]:
+    """``call(graph, config)`` with each saver: what it answered and the history, which
+    must be the same; the config of ``DurableSaver``'s thread."""
+    done = []
+    for saver in (DurableSaver(), InMemorySaver()):
+        graph, cfg = builder.compile(checkpointer=saver), config()
+        done.append((call(graph, cfg), history(graph, cfg), cfg))
+    (ours, our_history, cfg), (theirs, their_history, _) = done
+    assert ours == theirs
+    assert our_history == their_history
+    return cfg
+
+
+def test_a_map_reduce_with_send_ends_its_run():
+    cfg = side_by_side(graphs.fan_out(), lambda g, c: g.invoke(START_VALUES, c))
+    run = run_of(cfg)
+    # Its last checkpoint keeps the sent tasks' channel, empty: nothing runs next.
+    assert run.status == "succeeded", run.wait_detail
+    assert describe.waiting(run, {"__pregel_tasks": [], "log": [0, 10, 20]}).next == []
+
+
+def test_an_error_a_node_handler_takes_is_no_failure_of_the_run():
+    cfg = side_by_side(graphs.handled_failure(), lambda g, c: g.invoke(START_VALUES, c))
+    run = run_of(cfg)
+    assert run.status == "succeeded"
+    assert not Event.objects.filter(run=run, kind="failed").exists()
+    steps = describe.supersteps(run.id, range(run.head_seq + 1))
+    said = [t.summary for step in steps.values() for t in step.tasks]
+    assert "risky (raised ValueError('the tool is down'), handled by its error handler)" in said
+    assert "risky's error handler wrote log" in said
+
+
+def test_a_failing_error_handler_fails_the_run():
+    def broken(state: graphs.Tally, error: NodeError) -> dict:
+        raise RuntimeError("the handler broke too")
+
+    builder = StateGraph(graphs.Tally)
+    builder.add_node("risky", lambda s: 1 / 0, error_handler=broken)
+    builder.add_edge(START, "risky")
+    builder.add_edge("risky", END)
+    graph, cfg = builder.compile(checkpointer=DurableSaver()), config()
+    with pytest.raises(RuntimeError, match="handler broke"):
+        graph.invoke(START_VALUES, cfg)
+    run = run_of(cfg)
+    assert run.status == "failed" and "handler broke" in run.error
+
+
+def functional(saver):
+    @task
+    def double(x: int) -> int:
+        return 2 * x
+
+    @entrypoint(checkpointer=saver)
+    def workflow(x: int) -> dict:
+        doubled = double(x).result()
+        answer = interrupt({"publish": doubled})
+        return {"doubled": doubled, "answer": answer}
+
+    return workflow
+
+
+def test_the_functional_api_with_an_interrupt():
+    answers, runs = [], []
+    for saver in (DurableSaver(), InMemorySaver()):
+        workflow, cfg = functional(saver), config()
+        asked = workflow.invoke(3, cfg)
+        statuses = [run_of(cfg).wait_detail] if isinstance(saver, DurableSaver) else []
+        done = workflow.invoke(Command(resume="yes"), cfg)
+        answers.append(([i.value for i in asked["__interrupt__"]], done, history(workflow, cfg)))
+        runs.append((statuses, cfg))
+    assert answers[0] == answers[1]
+    assert answers[0][1] == {"doubled": 6, "answer": "yes"}
+    (asked_for,), cfg = runs[0]
+    assert asked_for == 'an answer to: {"publish": 6}'
+    assert run_of(cfg).status == "succeeded"
+
+
+@pytest.mark.parametrize("mode", ["exit", "async"])
+def test_the_durability_modes(mode):
+    cfg = side_by_side(
+        graphs.tool_loop(turns=3),
+        lambda g, c: g.invoke(graphs.first_input(), c, durability=mode),
+    )
+    assert run_of(cfg).status == "succeeded"
+
+
+def test_a_subgraph_with_a_history_of_its_own():
+    inner = StateGraph(graphs.Tally)
+    inner.add_node("count", lambda s: {"log": [f"inner {s['n']}"], "n": s["n"] + 1})
+    inner.add_edge(START, "count")
+    inner.add_edge("count", END)
+    # ``checkpointer=True``: the subgraph keeps one history per thread across calls.
+    kept = inner.compile(checkpointer=True)
+    outer = StateGraph(graphs.Tally)
+    outer.add_node("call", lambda s: {"log": kept.invoke({"log": [], "n": s["n"]})["log"]})
+    outer.add_edge(START, "call")
+    outer.add_edge("call", END)
+
+    def two_calls(graph, cfg):
+        first = graph.invoke(START_VALUES, cfg)
+        second = graph.invoke({"log": [], "n": 5}, cfg)
+        return first, second, graph.get_state(cfg, subgraphs=True).values
+
+    side_by_side(outer, two_calls)
