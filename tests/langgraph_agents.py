@@ -208,3 +208,7 @@ nested = agent("lg-nested", langgraph_graphs.with_subgraph)
 
 # Delta channels (``langgraph_graphs.delta_chat``): their values are in a few checkpoints only.
 delta_chat = agent("lg-delta", lambda: langgraph_graphs.delta_chat(turns=7))
+
+# Map-reduce with Send, and a node whose error handler takes its error.
+fan_out = agent("lg-fan-out", langgraph_graphs.fan_out)
+handled = agent("lg-handled", langgraph_graphs.handled_failure)

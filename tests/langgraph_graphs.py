@@ -304,15 +304,18 @@ def fan_out(width: int = 3) -> StateGraph:
 
 
 def handled_failure() -> StateGraph:
-    """``risky`` raises; its error handler (LangGraph's ``NodeError``) notes it and the
-    graph goes on to ``after``."""
+    """``risky`` raises; its error handler (given LangGraph's ``NodeError``) notes it and
+    sends the graph on to ``after``."""
     from langgraph.errors import NodeError
+    from langgraph.types import Command
 
     def risky(state: Tally) -> dict:
         raise ValueError("the tool is down")
 
-    def handler(state: Tally, error: NodeError) -> dict:
-        return {"log": [f"recovered from {error.node}: {error.error}"]}
+    def handler(state: Tally, error: NodeError) -> Command:
+        return Command(
+            update={"log": [f"recovered from {error.node}: {error.error}"]}, goto="after"
+        )
 
     g = StateGraph(Tally)
     g.add_node("risky", risky, error_handler=handler)

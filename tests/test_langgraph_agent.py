@@ -42,6 +42,10 @@ def ledger(tmp_path, monkeypatch):
     return path
 
 
+def reference_config() -> dict:
+    return {"configurable": {"thread_id": "reference"}}
+
+
 def reference(turns: int = graphs.TURNS) -> dict:
     """The graph run uninterrupted by LangGraph alone."""
     graph = graphs.support_graph(turns).compile(checkpointer=InMemorySaver())
@@ -276,6 +280,20 @@ def test_a_graph_with_delta_channels_keeps_their_values_at_every_superstep():
     fork = operations.fork(run.id, 4, by="ops", reason="again from turn 2")
     assert drive(fork.id).status == RunStatus.SUCCEEDED
     assert graphs.values_of(fork.id) == expected
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(
+    "name, build",
+    [("lg-fan-out", langgraph_graphs.fan_out), ("lg-handled", langgraph_graphs.handled_failure)],
+)
+def test_map_reduce_and_a_handled_error_run_as_langgraph_runs_them(name, build):
+    start = {"log": [], "n": 0}
+    expected = build().compile(checkpointer=InMemorySaver()).invoke(start, reference_config())
+    run = operations.start(name, start)
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id) == expected
 
 
 def test_rollback_compensating_the_effect_runs_its_compensation_then_pays_again(ledger):
