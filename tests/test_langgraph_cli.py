@@ -213,3 +213,23 @@ def test_a_subgraph_interrupted_waits_in_its_child_run_and_goes_on_with_its_thre
     for run in (root, child):
         run.refresh_from_db()
         assert run.status == "succeeded", (run.status, run.wait_detail)
+
+
+@pytest.mark.smoke
+def test_a_process_that_did_not_set_django_up_is_told_how():
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    done = subprocess.run(
+        [sys.executable, "-c", "from durability.langgraph import DurableSaver"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "django.core.exceptions.ImproperlyConfigured: durability.langgraph keeps its"
+        " checkpoints in this product's database, through its Django settings: set"
+        " DJANGO_SETTINGS_MODULE (config.settings, with DATABASE_URL) and call django.setup()"
+        " before using DurableSaver (see docs/langgraph.md)"
+    )

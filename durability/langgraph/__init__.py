@@ -38,9 +38,25 @@ INSTALL_HINT = (
 )
 
 
+SETUP_HINT = (
+    "durability.langgraph keeps its checkpoints in this product's database, through its"
+    " Django settings: set DJANGO_SETTINGS_MODULE (config.settings, with DATABASE_URL) and"
+    " call django.setup() before using {name} (see docs/langgraph.md)"
+)
+
+
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is not None:
+        from django.apps import apps
+
+        # Models are loaded from inside django.setup() on (an agent module imported by
+        # an app's ready() may register a graph): anything earlier gets Django's own
+        # "settings are not configured" or "apps aren't loaded yet".
+        if not apps.models_ready:
+            from django.core.exceptions import ImproperlyConfigured
+
+            raise ImproperlyConfigured(SETUP_HINT.format(name=name))
         try:
             module = importlib.import_module(home)
         except ImportError as exc:
