@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import uuid
+from pathlib import Path
 
 import pytest
+from django.test import Client
+from django.urls import reverse
 from langchain_core.messages import HumanMessage
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
@@ -19,6 +22,7 @@ from durability import operations
 from durability.langgraph import DurableSaver, delta
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from tests import langgraph_graphs as graphs
+from tests.dashboard_helpers import OPERATORS, make_user
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -149,3 +153,27 @@ def test_keep_latest_refuses_threads_with_delta_channels_and_changes_nothing():
     saver.prune(ids[1:], strategy="delete")
     assert delta_graph.get_state(with_delta).values == {}
     assert not Thread.objects.filter(thread_id=ids[1]).exists()
+
+
+def test_the_dashboard_shows_a_delta_channel_run(settings):
+    Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
+    graph = graphs.delta_chat(turns=4).compile(checkpointer=DurableSaver())
+    cfg = config()
+    graph.invoke(first(), cfg)
+    run = Thread.objects.get(thread_id=cfg["configurable"]["thread_id"]).run
+    client = Client()
+    client.force_login(make_user("olive", OPERATORS))
+    assert client.get(reverse("dashboard:run", args=[run.id])).status_code == 200
+    held = {}
+    for seq in range(1, run.head_seq + 1):
+        page = client.get(reverse("dashboard:checkpoint", args=[run.id, seq]), {"tab": "state"})
+        assert page.status_code == 200
+        state = client.get(reverse("dashboard:state_json", args=[run.id, seq])).json()
+        if "messages" in state["values"]:
+            held[seq] = state["values"]["messages"]
+    # Where LangGraph stored the channel whole, its messages read as JSON.
+    assert held, "LangGraph stored no snapshot of the channel"
+    messages = list(held.values())[-1]
+    assert messages["value"][1] == {"type": "ai", "content": "answer 0", "id": "ai-0-1"}
+    diff = client.get(reverse("dashboard:diff", args=[run.id]), {"a": 1, "b": run.head_seq})
+    assert diff.status_code == 200

@@ -183,6 +183,8 @@ def json_view(obj: Any) -> Any:
             pass
     if isinstance(obj, (bytes, bytearray)):
         return {"bytes": len(obj)}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple: by its fields
+        return {name: json_view(getattr(obj, name)) for name in obj._fields}
     if isinstance(obj, tuple):
         return [json_view(item) for item in obj]
     return repr(obj)
