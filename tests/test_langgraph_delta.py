@@ -6,7 +6,6 @@ refused."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import uuid
 from pathlib import Path
@@ -23,6 +22,7 @@ from durability.langgraph import DurableSaver, delta
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from tests import langgraph_graphs as graphs
 from tests.dashboard_helpers import OPERATORS, make_user
+from tests.test_langgraph_saver import in_own_loop
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -97,7 +97,7 @@ def test_delta_history_is_what_langgraphs_default_walk_answers():
     # Without a checkpoint id: the latest's. The async form answers the same.
     latest = saver.get_delta_channel_history(config=cfg, channels=CHANNELS)
     assert latest["messages"] == walks[0]
-    assert asyncio.run(saver.aget_delta_channel_history(config=cfg, channels=CHANNELS)) == latest
+    assert in_own_loop(saver.aget_delta_channel_history(config=cfg, channels=CHANNELS)) == latest
     # Nothing to walk for an unknown thread, or for no channel.
     unknown = saver.get_delta_channel_history(config=config(), channels=["messages"])
     assert unknown == {"messages": {"writes": []}}
@@ -130,7 +130,7 @@ def test_an_async_graph_with_delta_channels():
         done.append(await graph.ainvoke(more, cfg))
         return done, [s.values async for s in graph.aget_state_history(cfg)]
 
-    assert asyncio.run(two_turns(ours, a)) == asyncio.run(two_turns(theirs, b))
+    assert in_own_loop(two_turns(ours, a)) == in_own_loop(two_turns(theirs, b))
 
 
 def test_keep_latest_refuses_threads_with_delta_channels_and_changes_nothing():
