@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -96,6 +97,19 @@ def commit_channels(django_db_setup):
     from durability.runtime import inflight
 
     inflight.close_all()
+
+
+@pytest.fixture(autouse=True)
+def langgraph_savers_closed(request):
+    # A LangGraph saver the garbage collector frees is closed on a thread of its own
+    # (durability.langgraph.lifetime): the LangGraph tests' savers are closed before the
+    # next test, and the flush of the database, begin.
+    yield
+    if request.module.__name__.startswith("tests.test_langgraph"):
+        from durability.langgraph import lifetime
+
+        gc.collect()
+        assert lifetime.wait_collected(), "a collected LangGraph saver was not closed in 30 s"
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ refused."""
 
 from __future__ import annotations
 
-import gc
 import uuid
 from pathlib import Path
 
@@ -27,12 +26,6 @@ from tests.test_langgraph_saver import in_own_loop
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
 CHANNELS = ["messages", "log", "turns", "no-such-channel"]
-
-
-@pytest.fixture(autouse=True)
-def close_savers():
-    yield
-    gc.collect()
 
 
 def config(thread: str | None = None) -> dict:

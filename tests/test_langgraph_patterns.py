@@ -6,7 +6,6 @@ failure)."""
 
 from __future__ import annotations
 
-import gc
 import uuid
 
 import pytest
@@ -24,12 +23,6 @@ from tests import langgraph_graphs as graphs
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
 START_VALUES = {"log": [], "n": 0}
-
-
-@pytest.fixture(autouse=True)
-def close_savers():
-    yield
-    gc.collect()  # each saver closes its connections as it goes
 
 
 def config() -> dict:

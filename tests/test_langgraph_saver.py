@@ -5,7 +5,6 @@ with ``DurableSaver`` and with LangGraph's ``InMemorySaver``, and the results, t
 from __future__ import annotations
 
 import asyncio
-import gc
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,12 +25,6 @@ from tests import langgraph_graphs as graphs
 # The whole contract runs on the embedded default too (the smoke subset), as the saver has a
 # statement path per database.
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
-
-
-@pytest.fixture(autouse=True)
-def close_savers():
-    yield
-    gc.collect()  # each saver closes its connection as it goes
 
 
 def plain(result: dict) -> dict:

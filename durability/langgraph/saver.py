@@ -24,7 +24,6 @@ import asyncio
 import builtins
 import contextlib
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,17 @@ from langgraph.checkpoint.base import (
 )
 
 from durability import canonical, checkpoints
-from durability.langgraph import codec, delta, latest, pruning, reader, shared, status, store
+from durability.langgraph import (
+    codec,
+    delta,
+    latest,
+    lifetime,
+    pruning,
+    reader,
+    shared,
+    status,
+    store,
+)
 from durability.langgraph.models import SavedCheckpoint, Thread
 from durability.langgraph.shared import Shared, connected, lg_config
 from durability.models import Run
@@ -105,9 +114,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         # module's docstring). The first is used with ``_lock`` held.
         self._fast = lg_store.for_connection(connection).one_statement
         self._db, self._writes_db = Shared(), Shared()
-        self._closer = weakref.finalize(
-            self, shared.shut, self._worker, self._snapshots, [self._db, self._writes_db]
-        )
+        self._closer = lifetime.watch(self)
         self._origin: DurableSaver | None = None  # ``with_allowlist``
 
     # --- writing -------------------------------------------------------------------------
@@ -424,8 +431,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
 
     def close(self) -> None:
         """Wait for the snapshots still being written, then close the saver's database
-        connection and thread. Called at exit too."""
-        self._closer()
+        connections and thread. Done at exit for a saver still open, and (on a thread of
+        its own) for one that is garbage-collected (``lifetime``)."""
+        lifetime.close(self._closer)
 
     def with_allowlist(self, extra_allowlist: Any) -> DurableSaver:
         """LangGraph's strict msgpack mode (``LANGGRAPH_STRICT_MSGPACK``) compiles and

@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
-from durability import checkpoints
 from durability.langgraph import codec
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
@@ -65,21 +62,6 @@ class Shared:
         if self._db is not None:
             self._db.close()
             self._db = None
-
-
-def shut(
-    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, owned: list[Shared]
-) -> None:
-    """Close a saver's snapshot thread, database connections and thread (``close``; also
-    when the saver is garbage-collected, and at exit)."""
-    snapshots.close()
-    for db in owned:
-        with db.lock:
-            db.close()
-    # At exit the executors may already be shut down: then there is nothing to close.
-    with contextlib.suppress(RuntimeError):
-        worker.submit(lambda: connection.close()).result()
-    worker.shutdown()
 
 
 def connected() -> bool:

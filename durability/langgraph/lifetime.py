@@ -1,0 +1,118 @@
+"""When a saver's threads and connections are closed: by ``close()``, at once; at exit,
+every saver still open; and when the garbage collector frees a saver that was never
+closed, by a thread of this module's (the reaper), never where the collection happened.
+
+A collection starts wherever an allocation happens to cross the collector's threshold, in
+any thread, with whatever locks that thread holds: inside ``ThreadPoolExecutor.submit``,
+for one, which holds the lock every executor's ``submit`` takes, so that closing the saver
+there (which hands its Django connection's close to the saver's own thread) would wait for
+ever. The finalizer only puts the saver's threads and connections on a queue whose ``put``
+may be called from anywhere (``queue.SimpleQueue``)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import queue
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.db import connection
+
+from durability import checkpoints
+from durability.langgraph.shared import Shared
+
+log = logging.getLogger(__name__)
+
+_collected: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+_open: weakref.WeakSet[Any] = weakref.WeakSet()  # savers not closed yet, for the exit
+_lock = threading.Lock()
+_reaper_pid = 0  # the process whose reaper runs (a forked child starts its own)
+_at_exit_registered = False
+
+
+def shut(
+    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, owned: list[Shared]
+) -> None:
+    """Close a saver's snapshot thread, database connections and thread, waiting for the
+    snapshots still being written."""
+    snapshots.close()
+    for db in owned:
+        with db.lock:
+            db.close()
+    # At exit the executors may already be shut down: then there is nothing to close.
+    with contextlib.suppress(RuntimeError):
+        worker.submit(lambda: connection.close()).result()
+    worker.shutdown()
+
+
+def watch(saver: Any) -> weakref.finalize:
+    """The finalizer that hands ``saver``'s resources (``saver._worker``, ``_snapshots``,
+    ``_db``, ``_writes_db``) to the reaper when it is collected; ``close`` runs it at once.
+    Called from the saver's constructor: an ordinary place to start the reaper."""
+    global _at_exit_registered
+    with _lock:
+        _start_reaper()
+        if not _at_exit_registered:
+            atexit.register(_at_exit)
+            _at_exit_registered = True
+        _open.add(saver)
+    owned = [saver._db, saver._writes_db]
+    closer = weakref.finalize(saver, _collected.put, (saver._worker, saver._snapshots, owned))
+    closer.atexit = False  # ``_at_exit`` closes the savers still open, in order
+    return closer
+
+
+def close(closer: weakref.finalize) -> None:
+    """Close now what ``closer`` (``watch``) would hand to the reaper; nothing if closed."""
+    found = closer.detach()
+    if found is not None:
+        shut(*found[2][0])
+
+
+def wait_collected(timeout: float = 30.0) -> bool:
+    """Wait until the savers collected so far are closed (the reaper takes them in order);
+    False if that took longer than ``timeout`` seconds."""
+    with _lock:
+        _start_reaper()
+    done = threading.Event()
+    _collected.put((done,))
+    return done.wait(timeout)
+
+
+def _start_reaper() -> None:
+    """The reaper of this process, started once (a forked child starts its own)."""
+    global _reaper_pid
+    if _reaper_pid != os.getpid():
+        _reaper_pid = os.getpid()
+        threading.Thread(target=_reap, name="durable-saver-reaper", daemon=True).start()
+
+
+def _reap() -> None:
+    while True:
+        item = _collected.get()
+        if isinstance(item[0], threading.Event):
+            item[0].set()
+        else:
+            _shut_quietly(item)
+
+
+def _at_exit() -> None:
+    for saver in list(_open):
+        saver.close()
+    with contextlib.suppress(queue.Empty):
+        while True:
+            item = _collected.get_nowait()
+            if not isinstance(item[0], threading.Event):
+                _shut_quietly(item)
+
+
+def _shut_quietly(resources: tuple[Any, ...]) -> None:
+    try:
+        shut(*resources)
+    except Exception:  # noqa: BLE001 - one saver's end must not end the reaper
+        log.warning("a LangGraph saver was not closed cleanly", exc_info=True)
