@@ -18,6 +18,7 @@ from durability.langgraph import DurableSaver, lifetime
 from tests import conftest
 from tests import langgraph_graphs as graphs
 from tests.procs import ROOT
+from tests.test_langgraph_saver import in_own_loop
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -93,3 +94,21 @@ def test_close_is_at_once_and_once():
     saver.get_tuple({"configurable": {"thread_id": "nothing"}})
     saver.close()
     saver.close()  # closed already: nothing to do
+
+
+def test_an_async_app_closes_its_saver_either_way():
+    # Django refuses to close a connection on a thread that runs an event loop: close()
+    # does it on a thread of its own there, and aclose() off the loop.
+    cfg = {"configurable": {"thread_id": uuid.uuid4().hex}}
+
+    async def shutdown() -> None:
+        for closing in ("close", "aclose"):
+            saver = DurableSaver()
+            graph = graphs.tool_loop().compile(checkpointer=saver)
+            await graph.ainvoke(graphs.first_input(), cfg)
+            if closing == "close":
+                saver.close()
+            else:
+                await saver.aclose()
+
+    in_own_loop(shutdown())

@@ -11,6 +11,7 @@ may be called from anywhere (``queue.SimpleQueue``)."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -68,10 +69,20 @@ def watch(saver: Any) -> weakref.finalize:
 
 
 def close(closer: weakref.finalize) -> None:
-    """Close now what ``closer`` (``watch``) would hand to the reaper; nothing if closed."""
+    """Close now what ``closer`` (``watch``) would hand to the reaper; nothing if closed.
+    Called on a thread that runs an event loop (an async app's shutdown), where Django
+    refuses to close a connection, the closing is done on a thread of its own."""
     found = closer.detach()
-    if found is not None:
+    if found is None:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
         shut(*found[2][0])
+        return
+    closing = threading.Thread(target=shut, args=found[2][0], name="durable-saver-close")
+    closing.start()
+    closing.join()
 
 
 def wait_collected(timeout: float = 30.0) -> bool:
