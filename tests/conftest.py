@@ -220,6 +220,28 @@ def test_database_url() -> str:
     )
 
 
+def python_on_test_database(
+    code: str, *args: str, timeout: float = 90, **env: str
+) -> subprocess.CompletedProcess:
+    """``python -c code args`` in a process of its own, on the test settings and this test's
+    database, with ``env`` added to its environment; what it printed."""
+    full_env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": test_database_url(),
+        "PYTHONPATH": str(ROOT),
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class Cluster:
     """Celery workers and a beat for one test module, on a queue of their own, pointed at
     the test database; plus the faults file they read. Beat comes with the housekeeping

@@ -6,9 +6,6 @@ closing it there would wait on for ever."""
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -17,7 +14,6 @@ from django.db import connection
 from durability.langgraph import DurableSaver, lifetime
 from tests import conftest
 from tests import langgraph_graphs as graphs
-from tests.procs import ROOT
 from tests.test_langgraph_saver import in_own_loop
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
@@ -50,20 +46,7 @@ print("closed" if lifetime.wait_collected() else "not closed", flush=True)
 
 
 def test_a_saver_collected_inside_an_executors_submit_is_closed_without_hanging():
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "DATABASE_URL": conftest.test_database_url(),
-        "PYTHONPATH": str(ROOT),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    done = conftest.python_on_test_database(CHILD)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "closed"
 

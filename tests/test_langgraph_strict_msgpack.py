@@ -6,9 +6,6 @@ serving it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -18,7 +15,6 @@ from langgraph.types import Command
 from durability.langgraph.models import Thread
 from tests import conftest
 from tests import langgraph_graphs as graphs
-from tests.procs import ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -43,21 +39,8 @@ print(json.dumps([[i.value for i in asked["__interrupt__"]], done]))
 
 def test_a_graph_in_strict_msgpack_mode_keeps_its_saver():
     thread = uuid.uuid4().hex
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "DATABASE_URL": conftest.test_database_url(),
-        "PYTHONPATH": str(ROOT),
-        "LANGGRAPH_STRICT_MSGPACK": "true",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, thread],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # LangGraph reads the variable when it is imported: in a process of its own.
+    done = conftest.python_on_test_database(CHILD, thread, LANGGRAPH_STRICT_MSGPACK="true")
     assert done.returncode == 0, done.stderr[-3000:]
     asked, answered = json.loads(done.stdout.strip().splitlines()[-1])
     graph = graphs.approval().compile(checkpointer=InMemorySaver())
