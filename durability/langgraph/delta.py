@@ -28,7 +28,7 @@ from langgraph.checkpoint.base import DeltaChannelHistory
 
 from durability import canonical
 from durability.langgraph import codec, reader
-from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
+from durability.langgraph.models import SavedCheckpoint, Thread
 from durability.store import langgraph as lg_store
 
 # LangGraph's metadata of a checkpoint of a graph with a delta channel: its counters since
@@ -58,7 +58,7 @@ def history(
         if not chain:
             break
         held = _held(thread, chain, remaining)
-        writes = _writes(thread, [lg for _, lg in chain], remaining, serde)
+        writes = reader.pending_writes(thread, [lg for _, lg in chain], serde, remaining)
         for cp_id, lg in chain:  # nearest first, as LangGraph's default walks
             for write in reversed(writes.get(lg, ())):
                 if write[1] in remaining:
@@ -104,16 +104,3 @@ def _held(thread: Thread, chain: list[tuple[int, str]], wanted: set[str]) -> dic
 
     reader.each_state(thread.run_id, {cp_id for cp_id, _ in chain}, emit)
     return held
-
-
-def _writes(
-    thread: Thread, lg_ids: list[str], channels: set[str], serde: Any
-) -> dict[str, list[tuple[str, str, Any]]]:
-    """The writes to ``channels`` stored against the checkpoints ``lg_ids``, by checkpoint,
-    in LangGraph's order."""
-    rows: dict[str, list] = {}
-    for lg_id, *row in PendingWrite.objects.filter(
-        thread=thread, checkpoint_id__in=lg_ids, channel__in=channels
-    ).values_list("checkpoint_id", "task_id", "idx", "channel", "task_path", "value"):
-        rows.setdefault(lg_id, []).append(row)
-    return {lg_id: reader.decoded_writes(found, serde) for lg_id, found in rows.items()}

@@ -6,7 +6,7 @@ pending writes."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from langchain_core.runnables import RunnableConfig
@@ -170,13 +170,18 @@ def _snapshot(run_id: Any, seq: int, state_hash: str, text: str, digest: str) ->
     return canonical.loads(text)
 
 
-def pending_writes(thread: Thread, lg_ids: list[str], serde: Any) -> dict[str, list]:
-    """The pending writes of a thread's checkpoints ``lg_ids``, by checkpoint, each as
-    LangGraph hands them back (``decoded_writes``)."""
+def pending_writes(
+    thread: Thread, lg_ids: list[str], serde: Any, channels: Iterable[str] | None = None
+) -> dict[str, list]:
+    """The pending writes of a thread's checkpoints ``lg_ids`` (to ``channels`` only, if
+    given), by checkpoint, each as LangGraph hands them back (``decoded_writes``)."""
+    found = PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids)
+    if channels is not None:
+        found = found.filter(channel__in=list(channels))
     rows: dict[str, list] = {}
-    for lg_id, *row in PendingWrite.objects.filter(
-        thread=thread, checkpoint_id__in=lg_ids
-    ).values_list("checkpoint_id", "task_id", "idx", "channel", "task_path", "value"):
+    for lg_id, *row in found.values_list(
+        "checkpoint_id", "task_id", "idx", "channel", "task_path", "value"
+    ):
         rows.setdefault(lg_id, []).append(row)
     return {lg_id: decoded_writes(found, serde) for lg_id, found in sorted(rows.items())}
 
