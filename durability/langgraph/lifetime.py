@@ -105,11 +105,7 @@ def _start_reaper() -> None:
 
 def _reap() -> None:
     while True:
-        item = _collected.get()
-        if isinstance(item[0], threading.Event):
-            item[0].set()
-        else:
-            _shut_quietly(item)
+        _take(_collected.get())
 
 
 def _at_exit() -> None:
@@ -117,13 +113,15 @@ def _at_exit() -> None:
         saver.close()
     with contextlib.suppress(queue.Empty):
         while True:
-            item = _collected.get_nowait()
-            if not isinstance(item[0], threading.Event):
-                _shut_quietly(item)
+            _take(_collected.get_nowait())
 
 
-def _shut_quietly(resources: tuple[Any, ...]) -> None:
+def _take(item: tuple[Any, ...]) -> None:
+    """A collected saver's resources, shut; or ``wait_collected``'s mark, answered."""
+    if isinstance(item[0], threading.Event):
+        item[0].set()
+        return
     try:
-        shut(*resources)
+        shut(*item)
     except Exception:  # noqa: BLE001 - one saver's end must not end the reaper
         log.warning("a LangGraph saver was not closed cleanly", exc_info=True)
