@@ -12,9 +12,12 @@ against the canonical bytes and fall back to ``strict=True``, which compares typ
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jsonpatch
+
+from durability import canonical
 
 
 def escape(key: str) -> str:
@@ -37,16 +40,36 @@ def split_path(path: str) -> list[str]:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Deep equality that also compares types, so 1, 1.0 and True differ."""
+    """Deep equality that also compares types, so 1, 1.0 and True differ, and so do 0.0
+    and -0.0: for JSON values, true exactly when their canonical bytes are the same. An
+    object is the same as itself without a walk, so two documents that share what did not
+    change compare at the cost of what did."""
+    if a is b:
+        return True
     ta = type(a)
     if ta is not type(b):
         return False
     if ta is dict:
         if len(a) != len(b):
             return False
-        return all(key in b and same(value, b[key]) for key, value in a.items())
+        for key, value in a.items():
+            if key not in b:
+                return False
+            other = b[key]
+            if value is not other and not same(value, other):
+                return False
+        return True
     if ta is list:
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        if len(a) != len(b):
+            return False
+        # A loop, not ``all()``: most elements are the same object, and a generator would
+        # cost a frame switch for each.
+        for x, y in zip(a, b, strict=True):  # noqa: SIM110
+            if x is not y and not same(x, y):
+                return False
+        return True
+    if ta is float:
+        return a == b and (a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, b))
     return a == b
 
 
@@ -193,6 +216,25 @@ def apply_own(document: Any, ops: list[dict[str, Any]], *, shared: bool = False)
     the step's state byte for byte; rehydration rebuilds with the same function, so it gets
     the state that was proven. ``verify`` applies patches with ``apply`` (the library)
     instead, and compares the result with every snapshot: a second opinion."""
+    return _apply(document, ops, shared, None)[0]
+
+
+def apply_sized(
+    document: Any, ops: list[dict[str, Any]], size: int, *, shared: bool = False
+) -> tuple[Any, int]:
+    """``apply_own``, and the length of the result's canonical bytes, given ``size``,
+    ``document``'s: each operation adds its value's bytes and takes away those of what it
+    replaces or removes, with the comma, key and colon around them. Canonical JSON has no
+    whitespace and its keys' order does not change its length, so the count is exact, and
+    it costs what changed rather than a serialization of the whole state."""
+    result, after = _apply(document, ops, shared, size)
+    assert after is not None
+    return result, after
+
+
+def _apply(
+    document: Any, ops: list[dict[str, Any]], shared: bool, size: int | None
+) -> tuple[Any, int | None]:
     # The containers this call copied, by id. The caller's own stay alive with ``document``
     # and ``ops``, so none of theirs can take an id that is here.
     made: set[int] = set()
@@ -202,6 +244,8 @@ def apply_own(document: Any, ops: list[dict[str, Any]], *, shared: bool = False)
             if op["op"] == "remove":
                 raise ValueError("cannot remove the root")
             document = op["value"]
+            if size is not None:
+                size = _size(document)
             continue
         parts = path.split("/")[1:]
         if shared and id(document) not in made:
@@ -218,18 +262,37 @@ def apply_own(document: Any, ops: list[dict[str, Any]], *, shared: bool = False)
         if type(parent) is list:
             index = int(last)
             if kind == "add":
+                if size is not None:
+                    size += _size(op["value"]) + bool(parent)
                 parent.insert(index, op["value"])
             elif kind == "remove":
+                if size is not None:
+                    size -= _size(parent[index]) + (len(parent) > 1)
                 del parent[index]
             else:
+                if size is not None:
+                    size += _size(op["value"]) - _size(parent[index])
                 parent[index] = op["value"]
         else:
             key = unescape(last)
+            if size is not None:
+                if key in parent:
+                    size -= _size(parent[key])
+                    if kind == "remove":  # its key, colon and a comma go too
+                        size -= _size(key) + 1 + (len(parent) > 1)
+                else:  # a new member: its key, colon and a comma come too
+                    size += _size(key) + 1 + bool(parent)
+                if kind != "remove":
+                    size += _size(op["value"])
             if kind == "remove":
                 del parent[key]
             else:
                 parent[key] = op["value"]
-    return document
+    return document, size
+
+
+def _size(value: Any) -> int:
+    return len(canonical.dumps(value))
 
 
 def _copied(container: Any, made: set[int]) -> Any:

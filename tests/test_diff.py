@@ -162,3 +162,64 @@ def test_a_shared_document_keeps_what_the_patch_does_not_touch():
         assert result["values"]["messages"][0] is kept  # shared, not copied
         assert old == {"values": {"messages": [kept, edited]}, "n": 1}
         assert edited == {"fields": {"content": "b"}}  # the operation inside it copied it
+
+
+@settings(deadline=None, max_examples=300)
+@given(documents, documents)
+def test_a_sized_patch_counts_the_canonical_bytes_of_what_it_makes(old, new):
+    for strict in (False, True):
+        ops = canonical.loads(canonical.dumps(diff.diff(old, new, strict=strict)))
+        before = len(canonical.dumps(old))
+        patched, size = diff.apply_sized(copy.deepcopy(old), ops, before, shared=True)
+        assert size == len(canonical.dumps(patched))
+
+
+@pytest.mark.parametrize(
+    ("old", "ops"),
+    [
+        ([], [{"op": "add", "path": "/0", "value": "first"}]),
+        (["only"], [{"op": "remove", "path": "/0"}]),
+        ({}, [{"op": "add", "path": "/a~1b~0é", "value": {"x": [1.5, None]}}]),
+        ({"a": 1}, [{"op": "remove", "path": "/a"}]),
+        (
+            {"a": 1, "b": 2},
+            [{"op": "remove", "path": "/b"}, {"op": "add", "path": "/c", "value": 3}],
+        ),
+        ({"a": "x"}, [{"op": "add", "path": "/a", "value": "longer"}]),
+        (
+            [1, 2, 3],
+            [{"op": "remove", "path": "/1"}, {"op": "replace", "path": "/0", "value": "ü"}],
+        ),
+        ({"deep": {"l": [[]]}}, [{"op": "add", "path": "/deep/l/0/0", "value": True}]),
+        ({"a": 1}, [{"op": "replace", "path": "", "value": ["root"]}]),
+    ],
+)
+def test_a_sized_patch_counts_commas_keys_and_empty_containers(old, ops):
+    """Adding to an empty list or object brings no comma, removing the last member takes
+    none away; a key is counted as canonical JSON writes it (escaped, UTF-8)."""
+    patched, size = diff.apply_sized(copy.deepcopy(old), ops, len(canonical.dumps(old)))
+    assert size == len(canonical.dumps(patched))
+    assert patched == jsonpatch.apply_patch(copy.deepcopy(old), ops)
+
+
+@settings(deadline=None, max_examples=300)
+@given(documents, documents)
+def test_same_is_having_the_same_canonical_bytes(a, b):
+    assert diff.same(a, b) == (canonical.dumps(a) == canonical.dumps(b))
+    assert diff.same(a, copy.deepcopy(a))
+
+
+@pytest.mark.parametrize(
+    ("a", "b"), [(1, 1.0), (1, True), (0.0, -0.0), ([0.0], [-0.0]), ({"k": 1}, {"k": 1.0})]
+)
+def test_same_tells_apart_what_python_calls_equal(a, b):
+    assert a == b
+    assert not diff.same(a, b)
+    assert canonical.dumps(a) != canonical.dumps(b)
+
+
+def test_a_change_of_zero_s_sign_is_a_change():
+    old, new = {"x": [0.0, 1]}, {"x": [-0.0, 1]}
+    ops = diff.diff(old, new, strict=True)
+    patched = diff.apply_own(copy.deepcopy(old), canonical.loads(canonical.dumps(ops)))
+    assert canonical.dumps(patched) == canonical.dumps(new)

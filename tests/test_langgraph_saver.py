@@ -11,14 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.db import DEFAULT_DB_ALIAS, connection, connections
+from langchain_core.messages import RemoveMessage
 from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
-from durability import canonical, operations, redact
+from durability import canonical, checkpoints, operations, redact
 from durability.langgraph import DurableSaver
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
-from durability.models import Checkpoint, Run
+from durability.models import Checkpoint, Run, Snapshot
 from durability.store import langgraph as lg_store
 from tests import langgraph_graphs as graphs
 
@@ -340,6 +341,27 @@ def test_a_number_changing_type_is_stored_exactly():
     assert [type(x) for x in fresh.get_state(a).values["nums"]] == [int, float]
     (report,) = operations.verify(run_of(a).id)
     assert report.ok, str(report)
+
+
+def test_each_checkpoint_s_size_is_its_state_s_bytes():
+    """A checkpoint's size is counted from its patch, not measured on its state: it must
+    be the length of the state it rebuilds to, whether the patch appended, removed, replaced
+    or changed a number's type, and where a snapshot was written with it or after it."""
+    saver = DurableSaver()
+    grown, typed, edited = config(), config(), config()
+    # 3 KB a superstep: past the size of a snapshot written in the commit itself.
+    graphs.appender(40, size=3000).compile(checkpointer=saver).invoke(graphs.first_input(), grown)
+    graphs.number_types().compile(checkpointer=saver).invoke({"nums": [1, 2], "step": 0}, typed)
+    loop = graphs.tool_loop().compile(checkpointer=saver)
+    loop.invoke(graphs.first_input(), edited)
+    first = loop.get_state(edited).values["messages"][1]
+    loop.update_state(edited, {"messages": [RemoveMessage(id=first.id)], "turns": 7})
+    assert Snapshot.objects.filter(run_id=run_of(grown).id, seq__gt=1).exists()
+    for cfg in (grown, typed, edited):
+        stored = Checkpoint.objects.filter(run=run_of(cfg)).order_by("seq")
+        sizes = [(cp.size, len(checkpoints.verified_state(cp)[1])) for cp in stored]
+        assert [size for size, _ in sizes] == [length for _, length in sizes]
+    saver.close()
 
 
 def test_pending_writes_are_stored_as_sent_and_pass_the_redaction_gate():

@@ -37,8 +37,8 @@ class Stored:
     delta_run: int
     size: int
     doc: Any
-    # ``doc``'s canonical bytes, for the exact diff when the fast one misses; None until a
-    # ``put`` patches ``doc`` (a checkpoint that is only read never needs them).
+    # ``doc``'s canonical bytes where they were made (a snapshot was due), for the exact
+    # diff when the fast one misses, which makes them otherwise.
     data: bytes | None
 
 

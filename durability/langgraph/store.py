@@ -144,29 +144,37 @@ def needs_snapshot(delta_run: int, size: int) -> bool:
     return 2 * delta_run > size
 
 
-def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, bytes]:
+def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, int]:
     """The patch that turns ``parent``'s state into ``doc`` (its bytes and number of
-    operations) and ``doc``'s canonical bytes, proven: the patch applied to the parent's
-    state gives those bytes (as the worker proves a step's patch before its commit). The
-    parent's document is left as it is; ``doc`` becomes the next parent's, so that the next
-    diff finds the messages the encoder kept as the same objects and skips them at once."""
+    operations) and the length of ``doc``'s canonical bytes, proven: the patch applied to
+    the parent's state gives ``doc``, the same types and values everywhere
+    (``diff.same``), which is the same canonical bytes (as the worker proves a step's patch
+    before its commit). Neither state is serialized: ``doc`` shares with the parent's
+    document the messages the encoder kept, the patched copy shares the rest of it
+    (``diff.apply_own(shared=True)``), so the proof, like the diff and the size
+    (``diff.apply_sized``), costs what changed, not the state. The parent's document is
+    left as it is; ``doc`` becomes the next parent's."""
+    ops = diff.diff(parent.doc, doc)
+    ops_bytes = canonical.dumps(ops)
+    patched, size = diff.apply_sized(
+        parent.doc, canonical.loads(ops_bytes), parent.size, shared=True
+    )
+    if diff.same(patched, doc):
+        return ops_bytes, len(ops), size
+    # The fast walk missed a change of number type (1 -> 1.0 -> True): diff exactly, and
+    # prove it byte for byte (a rare path: the bytes cost what the shared walk saves).
     if parent.data is None:
         parent.data = canonical.dumps(parent.doc)
     state_bytes = canonical.dumps(doc)
-    ops = diff.diff(parent.doc, doc)
+    base = canonical.loads(parent.data)
+    ops = diff.diff(base, doc, strict=True)
     ops_bytes = canonical.dumps(ops)
-    patched = diff.apply_own(parent.doc, canonical.loads(ops_bytes), shared=True)
-    if canonical.dumps(patched) != state_bytes:
-        # The fast walk missed a change of number type (1 -> 1.0 -> True): diff exactly.
-        base = canonical.loads(parent.data)
-        ops = diff.diff(base, doc, strict=True)
-        ops_bytes = canonical.dumps(ops)
-        # ``base`` is ours (parsed here) and the operations' values are their own copies:
-        # patched in place, as the engine's proof does (``checkpointing.proven``).
-        patched = diff.apply_own(base, canonical.loads(ops_bytes))
-        if canonical.dumps(patched) != state_bytes:  # pragma: no cover - a bug if reached
-            raise IntegrityViolation("a LangGraph checkpoint's patch does not reproduce it")
-    return ops_bytes, len(ops), state_bytes
+    # ``base`` is ours (parsed here) and the operations' values are their own copies:
+    # patched in place, as the engine's proof does (``checkpointing.proven``).
+    patched = diff.apply_own(base, canonical.loads(ops_bytes))
+    if canonical.dumps(patched) != state_bytes:  # pragma: no cover - a bug if reached
+        raise IntegrityViolation("a LangGraph checkpoint's patch does not reproduce it")
+    return ops_bytes, len(ops), len(state_bytes)
 
 
 def commit(
@@ -176,13 +184,16 @@ def commit(
     checkpoint number is taken in the same statement: if another writer took it meanwhile,
     the chain is made again on the number it left. ``relaxed``: without waiting for the
     flush to disk (the product's relaxed durability level)."""
-    ops_bytes, count, state_bytes = exact_patch(new.parent, new.doc)
+    ops_bytes, count, size = exact_patch(new.parent, new.doc)
     doc = new.doc
     state_hash = canonical.patched(new.parent.state_hash, ops_bytes)
     delta_run = new.parent.delta_run + len(ops_bytes)
-    snapshot = needs_snapshot(delta_run, len(state_bytes))
-    inline = snapshot and len(state_bytes) <= checkpoints.INLINE_SNAPSHOT_BYTES
-    row = _row(new, ops_bytes, count, state_bytes, state_hash, delta_run, inline)
+    snapshot = needs_snapshot(delta_run, size)
+    # The state's bytes only where a snapshot is due (every few checkpoints, see
+    # ``needs_snapshot``): the patch and its proof need none.
+    state_bytes = canonical.dumps(doc) if snapshot else None
+    inline = state_bytes is not None and size <= checkpoints.INLINE_SNAPSHOT_BYTES
+    row = _row(new, ops_bytes, count, size, state_hash, delta_run, state_bytes if inline else None)
     statements = lg_store.for_connection(db)
     seq = new.seq
     for _ in range(100):
@@ -203,7 +214,7 @@ def commit(
         seq = statements.head_seq(new.thread.run_id) + 1
     else:  # pragma: no cover - a hundred writers on one thread at once
         raise IntegrityViolation("could not number the checkpoint", run_id=new.thread.run_id)
-    if snapshot and not inline:
+    if state_bytes is not None and not inline:
         snapshots.submit(checkpoint_id, state_hash, state_bytes)
     return Stored(
         checkpoint_id,
@@ -212,7 +223,7 @@ def commit(
         state_hash,
         chain,
         0 if snapshot else delta_run,
-        len(state_bytes),
+        size,
         doc,
         state_bytes,
     )
@@ -222,18 +233,19 @@ def _row(
     new: NewCheckpoint,
     ops_bytes: bytes,
     count: int,
-    state_bytes: bytes,
+    size: int,
     state_hash: str,
     delta_run: int,
-    inline: bool,
+    inline: bytes | None,
 ) -> dict[str, Any]:
-    """The commit statement's parameters, but the number and the chain hash."""
+    """The commit statement's parameters, but the number and the chain hash. ``inline``:
+    the state's bytes, when its snapshot is written with it."""
     return {
         "run": new.thread.run_id,
         "parent": new.parent.id,
         "step": new.step,
         "state_hash": state_hash,
-        "size": len(state_bytes),
+        "size": size,
         "delta_size": len(ops_bytes),
         "delta_run": delta_run,
         "ops": ops_bytes.decode(),
@@ -242,11 +254,9 @@ def _row(
         "lg_id": new.lg_id,
         "lg_parent": new.parent_lg_id,
         "metadata": canonical.dumps(new.metadata).decode(),
-        "data": canonical.dumps(
-            {"bytes": len(state_bytes), "delta": len(ops_bytes), "ops": count}
-        ).decode(),
-        "snapshot": state_bytes.decode() if inline else None,
-        "digest": checkpoints.seal(state_hash, state_bytes) if inline else "",
+        "data": canonical.dumps({"bytes": size, "delta": len(ops_bytes), "ops": count}).decode(),
+        "snapshot": inline.decode() if inline is not None else None,
+        "digest": checkpoints.seal(state_hash, inline) if inline is not None else "",
     }
 
 
