@@ -4,14 +4,16 @@ caller's transaction use: the same rows, the same answers, nothing half written.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import DataError, IntegrityError, connection, transaction
 
 from durability import canonical, checkpoints, events, operations
 from durability.langgraph import store
 from durability.langgraph.models import Thread
 from durability.langgraph.status import MID_RUN
-from durability.lifecycle import graph_change
+from durability.lifecycle import GraphChange, graph_change
 from durability.models import Checkpoint, Event, Mutation, Run, Snapshot
 from durability.store import langgraph as lg_store
 
@@ -153,3 +155,88 @@ def test_a_status_report_is_one_statement_as_the_orm_makes_it():
         "suspended",
         "succeeded",
     ]
+
+
+def _new_thread(name: str):
+    """A new thread's row (its run waits for the graph) and its run's first checkpoint."""
+    thread, start = store.thread_of(name, "", graph="g", create=True)
+    assert start is not None
+    return thread, start
+
+
+def _checkpoint_with(thread, start, report, *, head_seq: int | None = None):
+    """The thread's first LangGraph checkpoint stored with ``report`` (a status change and
+    its event) through the saver's statements; its id, or None when the head had moved
+    (``head_seq``: the number the statement takes the head to be at)."""
+    new = store.NewCheckpoint(
+        thread=thread,
+        parent=start,
+        seq=1,
+        lg_id="1f0-0001",
+        parent_lg_id="",
+        doc={"checkpoint": {"id": "1f0-0001"}, "values": {"turns": 1}, "metadata": {}},
+        metadata={},
+        step="loop 0",
+    )
+    if head_seq is None:
+        return store.commit(new, checkpoints.SnapshotWriter(), connection, report=report).id
+    ops, count, size = store.exact_patch(start, new.doc)
+    row = store._row(new, ops, count, size, "h" * 64, len(ops), None)
+    row.update(head_seq=head_seq, chain_hash="c" * 64, commit_id=uuid.uuid4())
+    return lg_store.for_connection(connection).insert_checkpoint(row, False, report)
+
+
+def _ended(run_id):
+    return graph_change("graph_ended"), events.succeeded(run_id, seq=0)
+
+
+def _rows_after(run_id) -> dict:
+    run = Run.objects.filter(pk=run_id).values().get()
+    run["finished_at"] = run["finished_at"] is not None
+    return {
+        "run": _without(run, "id", "input", "created_at", "updated_at", "started_at"),
+        "events": [
+            _without(e, "id", "run_id", "created_at", "data")
+            for e in Event.objects.filter(run_id=run_id).order_by("id").values()
+        ],
+    }
+
+
+def test_a_status_report_goes_with_its_checkpoint_as_the_orm_writes_them():
+    """The change of a run's status a checkpoint makes is written in the checkpoint's
+    transaction (on PostgreSQL its statement after the checkpoint's, in one round trip), its
+    event numbered as the checkpoint: the same rows as the ORM writes in one transaction."""
+    one, one_start = _new_thread("riding-at-once")
+    orm, orm_start = _new_thread("riding-by-the-orm")
+    assert _checkpoint_with(one, one_start, _ended(one.run_id)) is not None
+    with transaction.atomic():
+        assert _checkpoint_with(orm, orm_start, _ended(orm.run_id)) is not None
+    run = Run.objects.get(pk=one.run_id)
+    assert (run.status, run.head_seq, run.finished_at is not None) == ("succeeded", 1, True)
+    assert Event.objects.get(run_id=one.run_id, kind="succeeded").seq == 1
+    assert _rows_after(one.run_id) == _rows_after(orm.run_id)
+
+
+def test_a_status_report_changes_nothing_when_its_checkpoint_is_not_stored():
+    """Another writer took the checkpoint's number: the checkpoint is not stored, and
+    neither is the report that came with it."""
+    thread, start = _new_thread("riding-late")
+    assert _checkpoint_with(thread, start, _ended(thread.run_id), head_seq=5) is None
+    run = Run.objects.get(pk=thread.run_id)
+    assert (run.status, run.head_seq) == ("waiting", 0)
+    assert not Event.objects.filter(run_id=thread.run_id, kind="succeeded").exists()
+
+
+def test_a_checkpoint_and_its_report_are_stored_together_or_not_at_all():
+    """A report the database refuses (a wait detail past its column) takes its checkpoint
+    with it: the two statements sent at once are one transaction."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite does not refuse an over-long text")
+    thread, start = _new_thread("riding-refused")
+    refused = GraphChange("graph_waits", {"wait_detail": "x" * 501}, {})
+    event = events.suspended(thread.run_id, wait="", detail="", seq=0)
+    with pytest.raises(DataError):
+        _checkpoint_with(thread, start, (refused, event))
+    assert Run.objects.get(pk=thread.run_id).head_seq == 0
+    assert not Checkpoint.objects.filter(run_id=thread.run_id, seq=1).exists()
+    assert _checkpoint_with(thread, start, _ended(thread.run_id)) is not None

@@ -140,20 +140,41 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 "values": encoder.encode(values),
                 "metadata": codec.Encoder(self.serde).encode(md),
             }
+            # A change of the run's status this checkpoint makes (``status``: a turn's
+            # start and end), written in its transaction where that needs no query first.
+            seq = self._head_seq.get(thread.pk, 0) + 1
+            report = self._status.put(thread, checkpoint["id"], values, seq)
             try:
-                saved = self._on_db(self._commit, thread, parent_id, checkpoint["id"], doc, md)
+                riding = report.riding() if report is not None else None
+            except LookupError:
+                riding = None
+            else:
+                report = None
+            try:
+                saved = self._on_db(
+                    self._commit, thread, parent_id, checkpoint["id"], doc, md, riding
+                )
             except BaseException:
-                # Whether it was stored is unknown: read the thread's head again next time.
+                # Whether it was stored is unknown: read the thread's head again next time,
+                # and say the run's status again.
                 self._last.pop(thread.pk, None)
+                self._status.unsaid(thread)
                 raise
             self._last[thread.pk] = saved
             self._head_seq[thread.pk] = saved.seq
-        if report := self._status.put(thread, checkpoint["id"], values, saved.seq):
-            self._call(report)  # a change of the run's status (``status``), seldom
+        if report is not None:
+            self._call(report)
         return lg_config(thread_id, ns, checkpoint["id"])
 
     def _commit(
-        self, db: Any, thread: Thread, parent_id: str, lg_id: str, doc: Any, md: Any
+        self,
+        db: Any,
+        thread: Thread,
+        parent_id: str,
+        lg_id: str,
+        doc: Any,
+        md: Any,
+        report: lg_store.Report | None,
     ) -> latest.Stored:
         new = store.NewCheckpoint(
             thread=thread,
@@ -165,7 +186,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
             metadata=doc["metadata"],
             step=f"{md.get('source', '')} {md.get('step', '')}".strip(),
         )
-        return store.commit(new, self._snapshots, db, relaxed=self.durability == "relaxed")
+        relaxed = self.durability == "relaxed"
+        return store.commit(new, self._snapshots, db, relaxed=relaxed, report=report)
 
     def _put_writes(
         self,

@@ -1,10 +1,9 @@
 """The status of a LangGraph run executed in its own process, from what its saver stores.
 
 No worker holds such a run (``durability.langgraph.runs``), so the saver says where the
-graph is, from the checkpoint and writes it has just stored, through the run's state
-machine (``lifecycle.graph_change``) with an event on the timeline: on PostgreSQL one
-statement, on the saver's thread. The product's statuses are kept (none is added for
-LangGraph):
+graph is, from the checkpoints and writes it stores, through the run's state machine
+(``lifecycle.graph_change``) with an event on the timeline. The product's statuses are kept
+(none is added for LangGraph):
 
 - the latest checkpoint has tasks to run (it names them in its ``branch:to:<node>``,
   ``__start__`` or ``__pregel_tasks`` channels) and no interrupt: ``waiting``, for the
@@ -16,8 +15,12 @@ LangGraph):
   error handler takes the error (the graph goes on).
 
 Only changes are written: the saver remembers per thread what it reported last, so a
-superstep that changes nothing (the usual case) costs nothing here. A report that cannot be
-written is logged and tried again at the next checkpoint: the checkpoint is stored already.
+superstep that changes nothing (the usual case) costs nothing here. A checkpoint's report
+(a turn starting, the graph ending) is written in the checkpoint's own transaction, so the
+two are stored together or not at all, and a turn pays no statement of its own for them; on
+PostgreSQL it goes with the checkpoint's statement in one round trip. A report of a task's
+writes (an interrupt, an error) is written after them on the saver's thread; one that cannot
+be written is logged and said again at the next checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import DatabaseError, connection
@@ -35,7 +38,7 @@ from durability import events, lifecycle
 from durability.errors import StepError
 from durability.langgraph.models import Thread
 from durability.langgraph.runs import outside_workers
-from durability.models import Run, RunStatus
+from durability.models import Event, Run, RunStatus
 from durability.redact import redact
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
@@ -138,13 +141,13 @@ class Reporter:
                 for kept in (self._written, self._said, self._outside, self._latest, self._stops):
                     kept.pop(pk, None)
 
-    def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
-        """After checkpoint ``lg_id`` (``values``: its channel values): the report to write
-        (on the saver's thread), if any."""
+    def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Report | None:
+        """For checkpoint ``lg_id`` (``values``: its channel values), numbered ``seq``: the
+        report to write, if any, with it (``Report.riding``) or after it."""
         with self._lock:
             return self._put(thread, lg_id, values, seq)
 
-    def _put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Callable | None:
+    def _put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Report | None:
         self._latest[thread.pk] = (lg_id, seq)
         stops = self._stops.setdefault(thread.pk, {})
         for old in [k for k in stops if k < lg_id]:
@@ -155,6 +158,12 @@ class Reporter:
             return self._report(thread, seq, "wait", MID_RUN)
         return self._report(thread, seq, "end", "")
 
+    def unsaid(self, thread: Thread) -> None:
+        """What was last said of ``thread``'s run may not be written (its checkpoint
+        failed): said again at the next checkpoint."""
+        with self._lock:
+            self._said.pop(thread.pk, None)
+
     def writes(
         self,
         thread: Thread,
@@ -164,7 +173,7 @@ class Reporter:
         seq: int,
         task_id: str = "",
         stored: bool = False,
-    ) -> Callable | None:
+    ) -> Report | None:
         """After a task's writes on checkpoint ``lg_id``: a report for an interrupt or an
         error, if any, once that checkpoint is the latest. ``seq``: the run's head as the
         saver knows it; ``stored``: ``lg_id`` is the checkpoint the saver last read or put
@@ -177,7 +186,7 @@ class Reporter:
 
     def _writes(
         self, thread: Thread, lg_id: str, stop: tuple[str, str], seq: int, task: str, stored: bool
-    ) -> Callable | None:
+    ) -> Report | None:
         if thread.pk not in self._latest and stored:
             self._latest[thread.pk] = (lg_id, seq)
         # Else, with nothing put yet, the writes may be ahead of their checkpoint (LangGraph's
@@ -189,28 +198,12 @@ class Reporter:
         found[task] = stop
         return self._report(thread, seq, *_combined(found)) if lg_id == latest else None
 
-    def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Callable | None:
+    def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Report | None:
         said = f"{kind}:{text}"
         if self._said.get(thread.pk) == said:
             return None
         self._said[thread.pk] = said
-        number = next(self._made)
-
-        def write() -> None:  # on the saver's thread, one at a time
-            if self._written.get(thread.pk, -1) > number:
-                return  # made before one already written: that one is newer
-            self._written[thread.pk] = number
-            try:
-                if self._is_outside(thread):
-                    _write(thread.run_id, seq, kind, text)
-            except DatabaseError as exc:
-                self._said.pop(thread.pk, None)  # said again at the next checkpoint
-                if connection.connection is None or not connection.is_usable():
-                    drop(connection)  # lost: the saver's next call connects again
-                log.warning("run %s: its status was not updated (%s)", thread.run_id, str(exc))
-                _forget(exc)
-
-        return write
+        return Report(self, thread, next(self._made), seq, kind, text)
 
     def _is_outside(self, thread: Thread) -> bool:
         if thread.pk not in self._outside:
@@ -218,6 +211,71 @@ class Reporter:
             run = Run(pk=thread.run_id, agent=agent or "")
             self._outside[thread.pk] = agent is not None and outside_workers(run, has_thread=True)
         return self._outside[thread.pk]
+
+
+class Report:
+    """A change of a run's status that a checkpoint or a task's writes made, numbered as
+    it was made. Written either with the checkpoint it follows from, in the same
+    transaction (``riding``), or after it on the saver's thread (calling it)."""
+
+    def __init__(
+        self, reporter: Reporter, thread: Thread, number: int, seq: int, kind: str, text: str
+    ) -> None:
+        self.reporter, self.thread, self.number = reporter, thread, number
+        self.seq, self.kind, self.text = seq, kind, text
+
+    def __call__(self) -> None:
+        """Write it, on the saver's thread, one at a time; nothing if one made after it was
+        written already. One that cannot be written is logged and said again at the next
+        checkpoint: the checkpoint is stored already."""
+        reporter, thread = self.reporter, self.thread
+        if not self._first():
+            return
+        try:
+            if reporter._is_outside(thread):
+                lg_store.for_connection(connection).report(thread.run_id, *self.change())
+        except DatabaseError as exc:
+            self.unsaid()
+            if connection.connection is None or not connection.is_usable():
+                drop(connection)  # lost: the saver's next call connects again
+            log.warning("run %s: its status was not updated (%s)", thread.run_id, str(exc))
+            _forget(exc)
+
+    def riding(self) -> tuple[lifecycle.GraphChange, Event] | None:
+        """What to write in the transaction of the checkpoint it follows from (the saver's
+        lock held, as on the saver's thread): None if there is nothing to (one made after
+        it was written already, or the workers execute the run, whose statuses are
+        theirs). Raises ``LookupError`` where that needs a query: it is written after the
+        checkpoint then."""
+        outside = self.reporter._outside.get(self.thread.pk)
+        if outside is None:
+            raise LookupError("whether the workers execute the run is not known yet")
+        if not self._first() or not outside:
+            return None
+        return self.change()
+
+    def unsaid(self) -> None:
+        """Not written: said again at the next checkpoint."""
+        self.reporter.unsaid(self.thread)
+
+    def change(self) -> tuple[lifecycle.GraphChange, Event]:
+        """The change through the run's state machine (``lifecycle.graph_change``) and its
+        event."""
+        run_id, seq, text = self.thread.run_id, self.seq, self.text
+        if self.kind == "wait":
+            change = lifecycle.graph_change("graph_waits", detail=text)
+            return change, events.suspended(run_id, wait="", detail=text, seq=seq)
+        if self.kind == "end":
+            return lifecycle.graph_change("graph_ended"), events.succeeded(run_id, seq=seq)
+        change = lifecycle.graph_change("graph_failed", error=text, code=StepError.code)
+        return change, events.failed(run_id, message=text, detail={}, seq=seq)
+
+    def _first(self) -> bool:
+        written = self.reporter._written
+        if written.get(self.thread.pk, -1) > self.number:
+            return False  # made before one already written: that one is newer
+        written[self.thread.pk] = self.number
+        return True
 
 
 def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] | None:
@@ -246,20 +304,6 @@ def _combined(stops: Mapping[str, tuple[str, str]]) -> tuple[str, str]:
     if failed:
         return "fail", failed[0]
     return "wait", ANSWER + "; ".join(text for _, text in stops.values())
-
-
-def _write(run_id: Any, seq: int, kind: str, text: str) -> None:
-    """One change of status and its event, all or none; nothing if it is said."""
-    if kind == "wait":
-        change = lifecycle.graph_change("graph_waits", detail=text)
-        event = events.suspended(run_id, wait="", detail=text, seq=seq)
-    elif kind == "end":
-        change = lifecycle.graph_change("graph_ended")
-        event = events.succeeded(run_id, seq=seq)
-    else:
-        change = lifecycle.graph_change("graph_failed", error=text, code=StepError.code)
-        event = events.failed(run_id, message=text, detail={}, seq=seq)
-    lg_store.for_connection(connection).report(run_id, change, event)
 
 
 def _forget(exc: BaseException | None) -> None:

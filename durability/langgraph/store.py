@@ -178,12 +178,18 @@ def exact_patch(parent: Stored, doc: Any) -> tuple[bytes, int, int]:
 
 
 def commit(
-    new: NewCheckpoint, snapshots: checkpoints.SnapshotWriter, db: Any, *, relaxed: bool = False
+    new: NewCheckpoint,
+    snapshots: checkpoints.SnapshotWriter,
+    db: Any,
+    *,
+    relaxed: bool = False,
+    report: lg_store.Report | None = None,
 ) -> Stored:
     """Store ``new`` as a patch on its parent, on the connection ``db``. The run's
     checkpoint number is taken in the same statement: if another writer took it meanwhile,
     the chain is made again on the number it left. ``relaxed``: without waiting for the
-    flush to disk (the product's relaxed durability level)."""
+    flush to disk (the product's relaxed durability level). ``report``: a change of the
+    run's status written with the checkpoint, in its transaction."""
     ops_bytes, count, size = exact_patch(new.parent, new.doc)
     doc = new.doc
     state_hash = canonical.patched(new.parent.state_hash, ops_bytes)
@@ -208,7 +214,7 @@ def commit(
             agent_version=AGENT_VERSION,
         )
         row.update(head_seq=seq - 1, chain_hash=chain, commit_id=uuid.uuid4())
-        checkpoint_id = statements.insert_checkpoint(row, relaxed)
+        checkpoint_id = statements.insert_checkpoint(row, relaxed, report)
         if checkpoint_id is not None:
             break
         seq = statements.head_seq(new.thread.run_id) + 1

@@ -33,6 +33,9 @@ from durability.store.base import write_checkpoint
 from durability.store.lg_sql import AGENT_VERSION, SCHEMA_VERSION
 from durability.store.postgres import PostgresStore
 
+# A change of a run's status and its event (``lifecycle.graph_change``, ``events``).
+Report = tuple[lifecycle.GraphChange, Event]
+
 
 class LangGraphStore:
     """The saver's statements through the ORM, on the thread's default connection (the
@@ -48,13 +51,22 @@ class LangGraphStore:
     def own_session(self) -> None:
         """Set up a connection the saver owns for its statements, once it is connected."""
 
-    def insert_checkpoint(self, row: dict[str, Any], relaxed: bool) -> int | None:
+    def insert_checkpoint(
+        self, row: dict[str, Any], relaxed: bool, report: Report | None = None
+    ) -> int | None:
         """Write one checkpoint numbered ``row["head_seq"] + 1`` (its patch, its LangGraph
         ids, its event, its inline snapshot if any); its id, or None if the run's head
-        moved (another writer numbered one). ``relaxed``: without waiting for the flush."""
+        moved (another writer numbered one). ``relaxed``: without waiting for the flush.
+        ``report``: a change of the run's status and its event, written with the checkpoint
+        in its transaction (as ``report``), numbered as it is."""
         level = "relaxed" if relaxed else "strict"
         with store_for(self.conn).synchronous(level), transaction.atomic():
-            return _insert_orm(row)
+            cp_id = _insert_orm(row)
+            if cp_id is not None and report is not None:
+                change, event = report
+                event.seq = row["head_seq"] + 1
+                self.report(row["run"], change, event)
+            return cp_id
 
     def make_thread(self, run: Run, start: dict[str, Any], created: Event, thread: Thread) -> int:
         """Insert a new thread's run, its first checkpoint (``start``: ``write_checkpoint``'s
@@ -157,11 +169,20 @@ class PostgresLangGraph(LangGraphStore):
         with self.conn.cursor() as cur:
             cur.execute("SET plan_cache_mode = force_generic_plan")
 
-    def insert_checkpoint(self, row: dict[str, Any], relaxed: bool) -> int | None:
+    def insert_checkpoint(
+        self, row: dict[str, Any], relaxed: bool, report: Report | None = None
+    ) -> int | None:
         if self.conn.in_atomic_block:
-            return super().insert_checkpoint(row, relaxed)
+            return super().insert_checkpoint(row, relaxed, report)
         sql = lg_sql.COMMIT[(row["snapshot"] is not None, relaxed)]
-        found = self._prepared().fetch_one_prepared(sql, row)
+        if report is None:
+            found = self._prepared().fetch_one_prepared(sql, row)
+        else:
+            # The report's statement after the checkpoint's, in its transaction and round
+            # trip (a turn's start and end cost no commit of their own).
+            then, values = lg_sql.report(self.conn, row["run"], *report, riding=True)
+            values.update(commit_seq=row["head_seq"] + 1, commit_id=row["commit_id"])
+            found = self._prepared().fetch_one_then(sql, row, then, values)
         return int(found[0]) if found else None
 
     def make_thread(self, run: Run, start: dict[str, Any], created: Event, thread: Thread) -> int:

@@ -259,10 +259,15 @@ def new_thread(
     return f"WITH {', '.join(parts)} SELECT c.id, {last}.id FROM c, {last}", params
 
 
-def report(conn: Any, run_id: Any, change: lifecycle.GraphChange, event: Event) -> tuple[str, dict]:
+def report(
+    conn: Any, run_id: Any, change: lifecycle.GraphChange, event: Event, *, riding: bool = False
+) -> tuple[str, dict]:
     """One statement for a graph's report: the conditional UPDATE of its run that
     ``lifecycle.apply_graph`` makes through the ORM, and ``event`` if it changed the run.
-    It answers how many runs it changed (0 or 1)."""
+    It answers how many runs it changed (0 or 1). ``riding``: sent after a checkpoint's
+    statement in its transaction, it changes the run only if that checkpoint was stored
+    (``%(commit_seq)s``, ``%(commit_id)s``: its number and commit id), and its event takes
+    that checkpoint's number."""
     transition = lifecycle.TRANSITIONS[change.op]
     params: dict[str, Any] = {
         "run": run_id,
@@ -287,7 +292,14 @@ def report(conn: Any, run_id: Any, change: lifecycle.GraphChange, event: Event) 
             params[f"unless_{name}"] = value
             same.append(f"{_field(name).column} = %(unless_{name})s")
         where += f" AND NOT ({' AND '.join(same)})"
-    insert, values = _insert(event, "e", conn, {"run_id": "u.id"})
+    refs = {"run_id": "u.id"}
+    if riding:
+        where += (
+            f" AND EXISTS (SELECT 1 FROM {Checkpoint._meta.db_table} c WHERE c.run_id = %(run)s"
+            " AND c.seq = %(commit_seq)s AND c.commit_id = %(commit_id)s)"
+        )
+        refs["seq"] = "%(commit_seq)s::integer"
+    insert, values = _insert(event, "e", conn, refs)
     params.update(values)
     sql = (
         f"WITH u AS (UPDATE {Run._meta.db_table} SET {', '.join(sets)} WHERE {where}"

@@ -181,6 +181,29 @@ class PostgresStore(Store):
             cur.execute(sql, values, prepare=prepare or None)
             return cur.fetchall() if all_rows else cur.fetchone()
 
+    def fetch_one_then(
+        self, sql: str, values: dict[str, Any], then: str, then_values: dict[str, Any]
+    ) -> tuple | None:
+        """``fetch_one_prepared``, with ``then`` run after it in the same transaction: both
+        sent at once in psycopg's pipeline mode, with one Sync after them, which PostgreSQL
+        commits as one transaction (or rolls back whole, if either fails). One round trip
+        and one commit for two statements; ``then``'s answer is not read."""
+        self.conn.ensure_connection()
+        raw = self.conn.connection
+        prepare = conf.PREPARED_STATEMENTS
+        if prepare and raw.prepare_threshold is None:
+            raw.prepare_threshold = 2**31 - 1  # as ``_prepared`` does
+        values, then_values = redact.scrub(values), redact.scrub(then_values)
+        with (
+            self.conn.wrap_database_errors,
+            psycopg.Cursor(raw) as cur,
+            psycopg.Cursor(raw) as after,
+        ):
+            with raw.pipeline():
+                cur.execute(sql, values, prepare=prepare or None)
+                after.execute(then, then_values, prepare=prepare or None)
+            return cur.fetchone()
+
     # --- reading checkpoints ---------------------------------------------------------------
 
     def chain(self, checkpoint_id: int) -> list[tuple]:
