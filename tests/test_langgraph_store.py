@@ -239,4 +239,7 @@ def test_a_checkpoint_and_its_report_are_stored_together_or_not_at_all():
         _checkpoint_with(thread, start, (refused, event))
     assert Run.objects.get(pk=thread.run_id).head_seq == 0
     assert not Checkpoint.objects.filter(run_id=thread.run_id, seq=1).exists()
-    assert _checkpoint_with(thread, start, _ended(thread.run_id)) is not None
+    # The same statements again, now accepted: the session's prepared statements survived.
+    accepted = GraphChange("graph_waits", {"wait_detail": "x" * 500}, {})
+    assert _checkpoint_with(thread, start, (accepted, event)) is not None
+    assert Run.objects.get(pk=thread.run_id).wait_detail == "x" * 500

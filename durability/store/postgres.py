@@ -167,18 +167,11 @@ class PostgresStore(Store):
         return self._prepared(sql, values, all_rows=True)
 
     def _prepared(self, sql: str, values: Any, *, all_rows: bool) -> Any:
-        self.conn.ensure_connection()
-        raw = self.conn.connection
-        prepare = conf.PREPARED_STATEMENTS
-        if prepare and raw.prepare_threshold is None:
-            # Django opens connections with preparation off, and psycopg then ignores
-            # prepare=True. A threshold no query reaches turns it back on for explicit
-            # requests only: Django's own queries stay unprepared.
-            raw.prepare_threshold = 2**31 - 1
+        raw, prepare = self._raw()
         # A cursor of psycopg's own passes no execute wrapper: the redaction gate, here.
         values = redact.scrub(values)
         with self.conn.wrap_database_errors, psycopg.Cursor(raw) as cur:
-            cur.execute(sql, values, prepare=prepare or None)
+            cur.execute(sql, values, prepare=prepare)
             return cur.fetchall() if all_rows else cur.fetchone()
 
     def fetch_one_then(
@@ -188,11 +181,7 @@ class PostgresStore(Store):
         sent at once in psycopg's pipeline mode, with one Sync after them, which PostgreSQL
         commits as one transaction (or rolls back whole, if either fails). One round trip
         and one commit for two statements; ``then``'s answer is not read."""
-        self.conn.ensure_connection()
-        raw = self.conn.connection
-        prepare = conf.PREPARED_STATEMENTS
-        if prepare and raw.prepare_threshold is None:
-            raw.prepare_threshold = 2**31 - 1  # as ``_prepared`` does
+        raw, prepare = self._raw()
         values, then_values = redact.scrub(values), redact.scrub(then_values)
         with (
             self.conn.wrap_database_errors,
@@ -200,9 +189,22 @@ class PostgresStore(Store):
             psycopg.Cursor(raw) as after,
         ):
             with raw.pipeline():
-                cur.execute(sql, values, prepare=prepare or None)
-                after.execute(then, then_values, prepare=prepare or None)
+                cur.execute(sql, values, prepare=prepare)
+                after.execute(then, then_values, prepare=prepare)
             return cur.fetchone()
+
+    def _raw(self) -> tuple[Any, bool | None]:
+        """The connection's psycopg connection, and the ``prepare`` argument the engine's
+        hot statements are executed with."""
+        self.conn.ensure_connection()
+        raw = self.conn.connection
+        prepare = conf.PREPARED_STATEMENTS
+        if prepare and raw.prepare_threshold is None:
+            # Django opens connections with preparation off, and psycopg then ignores
+            # prepare=True. A threshold no query reaches turns it back on for explicit
+            # requests only: Django's own queries stay unprepared.
+            raw.prepare_threshold = 2**31 - 1
+        return raw, prepare or None
 
     # --- reading checkpoints ---------------------------------------------------------------
 
