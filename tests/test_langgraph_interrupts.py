@@ -210,6 +210,36 @@ def test_a_report_made_before_one_already_written_never_overwrites_it():
     assert run.wait_detail == MID_RUN
 
 
+def test_an_interrupt_is_reported_after_a_checkpoint_that_failed_to_be_stored():
+    """A ``put`` whose statement failed (the database went away mid-superstep) told the
+    saver's reporter of a checkpoint that may not exist. The next invocation reads the
+    thread's latest checkpoint, whose task asks a question: that report is written, not
+    taken for one about a checkpoint older than the one that failed."""
+    from langgraph.types import Interrupt
+
+    from durability.langgraph import store
+    from durability.langgraph.status import ANSWER, Reporter
+
+    thread, _ = store.thread_of(f"failed-{uuid.uuid4().hex[:8]}", "", graph="g", create=True)
+    reporter = Reporter()
+    reporter.known(thread)
+    reporter.put(thread, "z2", {"branch:to:tools": None}, 2)  # its statement failed
+    reporter.not_stored(thread)
+    asked = reporter.writes(
+        thread,
+        "z1",
+        [("__interrupt__", [Interrupt(value="may I refund?", id="i-1")])],
+        "~__pregel_pull, tools",
+        1,
+        "task-1",
+        stored=True,
+    )
+    assert asked is not None
+    asked()
+    run = Run.objects.get(pk=thread.run_id)
+    assert run.status == "waiting" and run.wait_detail == f"{ANSWER}may I refund?"
+
+
 def test_a_saver_that_never_saw_the_thread_reports_its_status_as_the_one_that_made_it():
     """Another process answers the interrupts: its saver learns the thread by reading it
     (on PostgreSQL with the run's agent, so that it knows without a query that no worker

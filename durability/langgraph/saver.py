@@ -158,7 +158,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 # Whether it was stored is unknown: read the thread's head again next time,
                 # and say the run's status again.
                 self._last.pop(thread.pk, None)
-                self._status.unsaid(thread)
+                self._status.not_stored(thread)
                 raise
             self._last[thread.pk] = saved
             self._head_seq[thread.pk] = saved.seq

@@ -159,10 +159,17 @@ class Reporter:
         return self._report(thread, seq, "end", "")
 
     def unsaid(self, thread: Thread) -> None:
-        """What was last said of ``thread``'s run may not be written (its checkpoint
-        failed): said again at the next checkpoint."""
+        """What was last said of ``thread``'s run was not written: said again at the next
+        checkpoint."""
         with self._lock:
             self._said.pop(thread.pk, None)
+
+    def not_stored(self, thread: Thread) -> None:
+        """A checkpoint ``put`` was told of may not have been stored (its statement failed):
+        what was kept of the thread followed it, so it is all dropped, and the thread's next
+        report is written whatever it says (an interrupt on the checkpoint before, read
+        again by the next invocation, included)."""
+        self.forget({thread.pk})
 
     def writes(
         self,
