@@ -144,12 +144,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
             # start and end), written in its transaction where that needs no query first.
             seq = self._head_seq.get(thread.pk, 0) + 1
             report = self._status.put(thread, checkpoint["id"], values, seq)
-            try:
-                riding = report.riding() if report is not None else None
-            except LookupError:
-                riding = None
-            else:
-                report = None
+            riding = None
+            if report is not None and report.can_ride():
+                riding, report = report.riding(), None
             try:
                 saved = self._on_db(
                     self._commit, thread, parent_id, checkpoint["id"], doc, md, riding

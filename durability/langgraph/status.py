@@ -248,16 +248,18 @@ class Report:
             log.warning("run %s: its status was not updated (%s)", thread.run_id, str(exc))
             _forget(exc)
 
+    def can_ride(self) -> bool:
+        """Whether it can be written with its checkpoint (``riding``): whether the workers
+        execute the run is known without a query. Else it is written after the checkpoint,
+        on the saver's thread."""
+        return self.thread.pk in self.reporter._outside
+
     def riding(self) -> tuple[lifecycle.GraphChange, Event] | None:
         """What to write in the transaction of the checkpoint it follows from (the saver's
-        lock held, as on the saver's thread): None if there is nothing to (one made after
-        it was written already, or the workers execute the run, whose statuses are
-        theirs). Raises ``LookupError`` where that needs a query: it is written after the
-        checkpoint then."""
-        outside = self.reporter._outside.get(self.thread.pk)
-        if outside is None:
-            raise LookupError("whether the workers execute the run is not known yet")
-        if not self._first() or not outside:
+        lock held, as on the saver's thread; ``can_ride``): None if there is nothing to (one
+        made after it was written already, or the workers execute the run, whose statuses
+        are theirs)."""
+        if not self._first() or not self.reporter._outside[self.thread.pk]:
             return None
         return self.change()
 
