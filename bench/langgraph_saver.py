@@ -26,6 +26,11 @@ from bench.common import Bench, fmt_ratio
 from bench.stats import median, ms, size, table
 
 STEPS = 200
+# Rounds of the long graph, each graph once per round. One round's ratio of the two savers'
+# overheads varies by about a quarter either way on a shared two-core machine, so a median
+# of five rounds moved from one run to the next by about the target's margin; a median of
+# eleven moves about a third less.
+ROUNDS = 11
 # A turn of a conversation: the model, a tool, the model again.
 SHORT_STEPS = 3
 
@@ -158,7 +163,7 @@ def run(b: Bench) -> None:
     from durability.langgraph import DurableSaver
 
     steps = 50 if b.quick else STEPS
-    repeats = 3 if b.quick else 5
+    rounds, repeats = (3, 3) if b.quick else (ROUNDS, 5)
     print(f"\n== LangGraph: PostgresSaver against DurableSaver, {steps} supersteps of 1 KB")
     builder = _graph(steps)
     with PostgresSaver.from_conn_string(b.db_url) as pg:
@@ -176,7 +181,7 @@ def run(b: Bench) -> None:
         # Round after round, each graph once per round, so that a busy spell of the machine
         # weighs on all of them alike.
         runs: dict[str, list[tuple[str, float]]] = {name: [] for name in graphs}
-        for _ in range(repeats):
+        for _ in range(rounds):
             for name, graph in graphs.items():
                 thread = uuid.uuid4().hex
                 runs[name].append((thread, _invoke(graph, thread)))
