@@ -4,8 +4,11 @@ caller's transaction use: the same rows, the same answers, nothing half written.
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
+import psycopg
 import pytest
 from django.db import DataError, IntegrityError, connection, transaction
 
@@ -225,6 +228,84 @@ def test_a_status_report_changes_nothing_when_its_checkpoint_is_not_stored():
     run = Run.objects.get(pk=thread.run_id)
     assert (run.status, run.head_seq) == ("waiting", 0)
     assert not Event.objects.filter(run_id=thread.run_id, kind="succeeded").exists()
+
+
+def _waits(run_id):
+    return graph_change("graph_waits", detail=MID_RUN), events.suspended(
+        run_id, wait="", detail=MID_RUN, seq=0
+    )
+
+
+@pytest.mark.parametrize(("status", "report"), [("cancelled", _ended), ("waiting", _waits)])
+def test_a_status_report_that_does_not_apply_stores_its_checkpoint_alone(status, report):
+    """A graph's end does not end a run an operator cancelled meanwhile, and a run already
+    waiting as the report says gets no second event: the checkpoint is stored, the run's
+    status and its timeline are left as they were, the same rows as the ORM writes."""
+    one, one_start = _new_thread(f"not-applying-{status}")
+    orm, orm_start = _new_thread(f"not-applying-{status}-by-the-orm")
+    Run.objects.filter(pk__in=[one.run_id, orm.run_id]).update(status=status)
+    assert _checkpoint_with(one, one_start, report(one.run_id)) is not None
+    with transaction.atomic():
+        assert _checkpoint_with(orm, orm_start, report(orm.run_id)) is not None
+    run = Run.objects.get(pk=one.run_id)
+    assert (run.status, run.head_seq, run.finished_at) == (status, 1, None)
+    kinds = Event.objects.filter(run_id=one.run_id).order_by("id").values_list("kind", flat=True)
+    assert list(kinds) == ["created", "checkpoint"]
+    assert _rows_after(one.run_id) == _rows_after(orm.run_id)
+
+
+def test_a_status_report_reads_the_run_as_it_is_once_another_change_commits():
+    """An operator's cancel holds the run's row when the graph's last checkpoint arrives:
+    the checkpoint waits for it, then is stored without ending the cancelled run. (Read as
+    it was when the statement began, the run would have looked waiting, and the graph's end
+    would have overwritten the cancel.)"""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one transaction at a time")
+    thread, start = _new_thread("riding-after-a-cancel")
+    stored: list = []
+    with psycopg.connect(_libpq_url(), autocommit=False) as operator:
+        operator.execute(
+            "UPDATE durability_run SET status = 'cancelled' WHERE id = %s", [thread.run_id]
+        )
+
+        def last_checkpoint() -> None:
+            try:
+                stored.append(_checkpoint_with(thread, start, _ended(thread.run_id)))
+            finally:
+                connection.close()
+
+        graph = threading.Thread(target=last_checkpoint)
+        graph.start()
+        _wait_for_lock_wait(thread.run_id)
+        operator.commit()
+        graph.join(30)
+    assert stored and stored[0] is not None
+    run = Run.objects.get(pk=thread.run_id)
+    assert (run.status, run.head_seq) == ("cancelled", 1)
+    assert not Event.objects.filter(run_id=thread.run_id, kind="succeeded").exists()
+
+
+def _libpq_url() -> str:
+    settings = connection.settings_dict
+    return (
+        f"postgresql://{settings['USER']}@{settings['HOST']}:{settings['PORT']}/{settings['NAME']}"
+    )
+
+
+def _wait_for_lock_wait(run_id, timeout: float = 30.0) -> None:
+    """Until a session waits for a lock (the checkpoint's statement, on the run's row)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(_libpq_url(), autocommit=True) as watcher:
+        while time.monotonic() < deadline:
+            waiting = watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE %s",
+                ["%durability_run%"],
+            ).fetchone()[0]
+            if waiting:
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"no statement waited for run {run_id}'s row")
 
 
 def test_a_checkpoint_and_its_report_are_stored_together_or_not_at_all():

@@ -56,9 +56,10 @@ class LangGraphStore:
     ) -> int | None:
         """Write one checkpoint numbered ``row["head_seq"] + 1`` (its patch, its LangGraph
         ids, its event, its inline snapshot if any); its id, or None if the run's head
-        moved (another writer numbered one). ``relaxed``: without waiting for the flush.
-        ``report``: a change of the run's status and its event, written with the checkpoint
-        in its transaction (as ``report``), numbered as it is."""
+        moved (another writer numbered one), or if another transaction changed the run as
+        the statement read it (sent again, it reads the run anew). ``relaxed``: without
+        waiting for the flush. ``report``: a change of the run's status and its event,
+        written with the checkpoint in its transaction (as ``report``), numbered as it is."""
         level = "relaxed" if relaxed else "strict"
         with store_for(self.conn).synchronous(level), transaction.atomic():
             cp_id = _insert_orm(row)
@@ -175,14 +176,15 @@ class PostgresLangGraph(LangGraphStore):
         if self.conn.in_atomic_block:
             return super().insert_checkpoint(row, relaxed, report)
         sql = lg_sql.COMMIT[(row["snapshot"] is not None, relaxed)]
-        if report is None:
-            found = self._prepared().fetch_one_prepared(sql, row)
-        else:
-            # The report's statement after the checkpoint's, in its transaction and round
-            # trip (a turn's start and end cost no commit of their own).
-            then, values = lg_sql.report(self.conn, row["run"], *report, riding=True)
-            values.update(commit_seq=row["head_seq"] + 1, commit_id=row["commit_id"])
-            found = self._prepared().fetch_one_then(sql, row, then, values)
+        params = row
+        if report is not None:
+            # In the checkpoint's own statement: a turn's start and end cost no statement
+            # of their own.
+            sql, values = lg_sql.commit_reporting(
+                self.conn, row["snapshot"] is not None, relaxed, *report
+            )
+            params = {**row, **values}
+        found = self._prepared().fetch_one_prepared(sql, params)
         return int(found[0]) if found else None
 
     def make_thread(self, run: Run, start: dict[str, Any], created: Event, thread: Thread) -> int:

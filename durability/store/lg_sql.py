@@ -2,18 +2,19 @@
 runs them): each one round trip.
 
 A checkpoint is one statement, data-modifying CTEs chained on the UPDATE of the run that
-allocates its number; a task's pending writes one ``INSERT ... ON CONFLICT`` over a JSON
-array of ``[index, channel, value]`` (one text parameter: binding three arrays cost the
-saver's thread about 40% more CPU per call, measured; the ``json`` type keeps each value's
-text as it was sent, so the canonical bytes are stored unchanged); a
+allocates its number, which also changes the run's status when the checkpoint does (a
+turn's start and end, ``commit_reporting``); a task's pending writes one ``INSERT ... ON
+CONFLICT`` over a JSON array of ``[index, channel, value]`` (one text parameter: binding
+three arrays cost the saver's thread about 40% more CPU per call, measured; the ``json``
+type keeps each value's text as it was sent, so the canonical bytes are stored unchanged); a
 checkpoint with everything its state is rebuilt from (and its pending writes) one recursive
 query. Each is prepared once per session of the saver's own connections, with a generic
 plan (``PostgresLangGraph.own_session``).
 
 Once per thread or per change of its status, on the saver's own thread: a new thread's rows
 (``new_thread``: the rows Django would save, one ``INSERT`` per CTE) and a status report
-with its event (``report``: lifecycle's change of the run, rendered); prepared too, on that
-thread's connection.
+with its event that follows a task's writes rather than a checkpoint (``report``: lifecycle's
+change of the run, rendered); prepared too, on that thread's connection.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ AGENT_VERSION = "langgraph"
 SCHEMA_VERSION = 1
 
 _COMMIT = """
-WITH cfg AS (SELECT {lowered} AS v), r AS (
-    UPDATE {run} SET head_seq = head_seq + 1, updated_at = now()
+WITH cfg AS (SELECT {lowered} AS v), {guard}r AS (
+    UPDATE {run} SET head_seq = head_seq + 1, updated_at = now(){sets}{also}
      WHERE id = %(run)s::uuid AND head_seq = %(head_seq)s::integer
-       AND (SELECT v FROM cfg) IS NOT NULL
- RETURNING id, head_seq
+       AND (SELECT v FROM cfg) IS NOT NULL{recheck}
+ RETURNING id, head_seq{go}
 ), c AS (
     INSERT INTO {checkpoint}
         (run_id, seq, parent_id, reason, step, next_step, state_hash, chain_hash,
@@ -57,23 +58,59 @@ WITH cfg AS (SELECT {lowered} AS v), r AS (
 ){snapshot}, e AS (
     INSERT INTO {event} (run_id, kind, seq, step, actor, reason, worker, data, created_at)
     SELECT r.id, 'checkpoint', r.head_seq, %(step)s::text, '', '', '', %(data)s::text, now()
-      FROM r
-)
+      FROM r{numbered}
+){reported}
 SELECT id FROM c
 """
 _SNAPSHOT = """, s AS (
     INSERT INTO {snapshot} (checkpoint_id, run_id, seq, state, digest)
     SELECT c.id, r.id, r.head_seq, %(snapshot)s::text, %(digest)s::text FROM c, r
 )"""
+# A status report in the checkpoint's statement: whether it applies, read as the statement
+# found the run; the same UPDATE that numbers the checkpoint changes the status too (one new
+# version of the row, not two), and inserts its event only if it did. If another
+# transaction changed the run meanwhile so that the answer differs (an operator's cancel
+# committed while this statement waited for the row), the UPDATE finds no row, as when
+# another writer took the number: the saver reads the head again and sends the statement
+# again, which then reads the run as it is. Cheaper than locking the row to read it.
+_GUARD = """g AS (
+    SELECT {condition} AS go FROM {run} WHERE id = %(run)s::uuid
+), """
 
 
-def _commit_sql(with_snapshot: bool, relaxed: bool) -> str:
+def _commit_sql(
+    with_snapshot: bool, relaxed: bool, report: tuple[str, list[tuple[str, str]], str] | None = None
+) -> str:
+    """The checkpoint's statement; ``report``: the condition under which the run's status
+    changes, the assignments it makes then, and its event's INSERT (``commit_reporting``)."""
     snap = _SNAPSHOT.format(snapshot=Snapshot._meta.db_table) if with_snapshot else ""
     # relaxed: this statement's transaction does not wait for the WAL flush (the
     # product's relaxed level; see docs/architecture.md).
     lowered = "set_config('synchronous_commit', 'off', true)" if relaxed else "''"
+    guard = sets = also = recheck = go = numbered = reported = ""
+    if report is not None:
+        condition, assignments, event = report
+        guard = _GUARD.format(condition=condition, run=Run._meta.db_table)
+        also = "\n      FROM g"
+        recheck = f"\n       AND ({condition}) = g.go"
+        sets = "".join(
+            f",\n           {column} = CASE WHEN g.go THEN {value} ELSE {column} END"
+            for column, value in assignments
+        )
+        go = ", g.go"
+        # Taken from ``e``'s row, so inserted after it: the timeline (in the order of the
+        # events' ids) shows the checkpoint, then what it changed, as the ORM writes them.
+        numbered = " RETURNING id"
+        reported = f", u AS (\n    {event} FROM r, e WHERE r.go\n)"
     return _COMMIT.format(
         lowered=lowered,
+        guard=guard,
+        sets=sets,
+        also=also,
+        recheck=recheck,
+        go=go,
+        numbered=numbered,
+        reported=reported,
         run=Run._meta.db_table,
         checkpoint=Checkpoint._meta.db_table,
         mutation=Mutation._meta.db_table,
@@ -259,53 +296,83 @@ def new_thread(
     return f"WITH {', '.join(parts)} SELECT c.id, {last}.id FROM c, {last}", params
 
 
-def report(
-    conn: Any, run_id: Any, change: lifecycle.GraphChange, event: Event, *, riding: bool = False
-) -> tuple[str, dict]:
+def report(conn: Any, run_id: Any, change: lifecycle.GraphChange, event: Event) -> tuple[str, dict]:
     """One statement for a graph's report: the conditional UPDATE of its run that
     ``lifecycle.apply_graph`` makes through the ORM, and ``event`` if it changed the run.
-    It answers how many runs it changed (0 or 1). ``riding``: sent after a checkpoint's
-    statement in its transaction, it changes the run only if that checkpoint was stored
-    (``%(commit_seq)s``, ``%(commit_id)s``: its number and commit id), and its event takes
-    that checkpoint's number."""
-    transition = lifecycle.TRANSITIONS[change.op]
-    params: dict[str, Any] = {
-        "run": run_id,
-        "target": transition.target,
-        "sources": sorted(transition.sources),
-    }
-    sets = ["status = %(target)s"]
-    for name, value in change.fields.items():
-        field = _field(name)
-        column = field.column
-        if value is lifecycle.At.NOW:
-            sets.append(f"{column} = now()")
-        elif value is lifecycle.At.FIRST:
-            sets.append(f"{column} = coalesce({column}, now())")
-        else:
-            params[f"set_{name}"] = field.get_db_prep_save(value, conn)
-            sets.append(f"{column} = %(set_{name})s")
-    where = "id = %(run)s AND status = ANY(%(sources)s)"
+    It answers how many runs it changed (0 or 1)."""
+    condition, params = _condition(change)
+    assignments, values = _assignments(conn, change)
+    params.update(values, run=run_id, target=lifecycle.TRANSITIONS[change.op].target)
+    sets = ", ".join(
+        ["status = %(target)s", *(f"{column} = {value}" for column, value in assignments)]
+    )
+    insert, values = _insert(event, "e", conn, {"run_id": "u.id"})
+    params.update(values)
+    sql = (
+        f"WITH u AS (UPDATE {Run._meta.db_table} SET {sets}"
+        f" WHERE id = %(run)s AND {condition} RETURNING id),"
+        f" e AS ({insert} FROM u) SELECT count(*) FROM u"
+    )
+    return sql, params
+
+
+# By the shape of a checkpoint's statement with a report (``commit_reporting``): its text.
+_REPORTING: dict[tuple, str] = {}
+
+
+def commit_reporting(
+    conn: Any, snapshot: bool, relaxed: bool, change: lifecycle.GraphChange, event: Event
+) -> tuple[str, dict]:
+    """The checkpoint's statement (``COMMIT[(snapshot, relaxed)]``, its parameters the
+    checkpoint's row) that also makes ``change`` to the run, as ``report`` does, numbering
+    ``event`` as the checkpoint and inserting it only if the run changed: the two stored
+    together or not at all, in one statement (a second one sent with it cost its
+    round trip's client work and a second new version of the run's row). The statement's
+    text and the parameters the report adds to the row's."""
+    condition, params = _condition(change)
+    assignments, values = _assignments(conn, change)
+    params.update(values, target=lifecycle.TRANSITIONS[change.op].target)
+    insert, values = _insert(event, "u", conn, {"run_id": "r.id", "seq": "r.head_seq"})
+    params.update(values)
+    key = (snapshot, relaxed, condition, tuple(assignments), insert)
+    sql = _REPORTING.get(key)
+    if sql is None:
+        status = [("status", "%(target)s")]
+        # Every checkpoint sets the time of the run's last change already.
+        sets = status + [(c, v) for c, v in assignments if c != "updated_at"]
+        sql = _REPORTING[key] = _commit_sql(snapshot, relaxed, (condition, sets, insert))
+    return sql, params
+
+
+def _condition(change: lifecycle.GraphChange) -> tuple[str, dict]:
+    """When a report applies to its run (SQL on the run's row, and its parameters): in a
+    status its operation applies to, and not already as it says (``change.unless``)."""
+    params: dict[str, Any] = {"sources": sorted(lifecycle.TRANSITIONS[change.op].sources)}
+    condition = "status = ANY(%(sources)s)"
     if change.unless:
         same = []
         for name, value in change.unless.items():
             params[f"unless_{name}"] = value
             same.append(f"{_field(name).column} = %(unless_{name})s")
-        where += f" AND NOT ({' AND '.join(same)})"
-    refs = {"run_id": "u.id"}
-    if riding:
-        where += (
-            f" AND EXISTS (SELECT 1 FROM {Checkpoint._meta.db_table} c WHERE c.run_id = %(run)s"
-            " AND c.seq = %(commit_seq)s AND c.commit_id = %(commit_id)s)"
-        )
-        refs["seq"] = "%(commit_seq)s::integer"
-    insert, values = _insert(event, "e", conn, refs)
-    params.update(values)
-    sql = (
-        f"WITH u AS (UPDATE {Run._meta.db_table} SET {', '.join(sets)} WHERE {where}"
-        f" RETURNING id), e AS ({insert} FROM u) SELECT count(*) FROM u"
-    )
-    return sql, params
+        condition += f" AND NOT ({' AND '.join(same)})"
+    return condition, params
+
+
+def _assignments(conn: Any, change: lifecycle.GraphChange) -> tuple[list[tuple[str, str]], dict]:
+    """The columns a report sets besides the status, each with its SQL value, and the
+    parameters those take."""
+    assignments, params = [], {}
+    for name, value in change.fields.items():
+        field = _field(name)
+        column = str(field.column)
+        if value is lifecycle.At.NOW:
+            assignments.append((column, "now()"))
+        elif value is lifecycle.At.FIRST:
+            assignments.append((column, f"coalesce({column}, now())"))
+        else:
+            params[f"set_{name}"] = field.get_db_prep_save(value, conn)
+            assignments.append((column, f"%(set_{name})s"))
+    return assignments, params
 
 
 def _field(name: str) -> Field:

@@ -174,25 +174,6 @@ class PostgresStore(Store):
             cur.execute(sql, values, prepare=prepare)
             return cur.fetchall() if all_rows else cur.fetchone()
 
-    def fetch_one_then(
-        self, sql: str, values: dict[str, Any], then: str, then_values: dict[str, Any]
-    ) -> tuple | None:
-        """``fetch_one_prepared``, with ``then`` run after it in the same transaction: both
-        sent at once in psycopg's pipeline mode, with one Sync after them, which PostgreSQL
-        commits as one transaction (or rolls back whole, if either fails). One round trip
-        and one commit for two statements; ``then``'s answer is not read."""
-        raw, prepare = self._raw()
-        values, then_values = redact.scrub(values), redact.scrub(then_values)
-        with (
-            self.conn.wrap_database_errors,
-            psycopg.Cursor(raw) as cur,
-            psycopg.Cursor(raw) as after,
-        ):
-            with raw.pipeline():
-                cur.execute(sql, values, prepare=prepare)
-                after.execute(then, then_values, prepare=prepare)
-            return cur.fetchone()
-
     def _raw(self) -> tuple[Any, bool | None]:
         """The connection's psycopg connection, and the ``prepare`` argument the engine's
         hot statements are executed with."""
