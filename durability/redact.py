@@ -123,15 +123,18 @@ def active() -> set[str] | None:
 @lru_cache(maxsize=256)
 def _forms(secret: str) -> tuple[str, ...]:
     """The ways ``secret`` is spelled in written text: as it is, escaped in JSON (as orjson and
-    as ``json`` with ASCII escapes write it) and in a Python ``repr``."""
+    as ``json`` with ASCII escapes write it), escaped twice (a JSON text held in a JSON
+    string: a row bound as one JSON object, whose columns hold JSON texts) and in a Python
+    ``repr``."""
     import json
 
     import orjson
 
+    escaped = [orjson.dumps(secret).decode()[1:-1], json.dumps(secret)[1:-1]]
     forms = [
         secret,
-        orjson.dumps(secret).decode()[1:-1],
-        json.dumps(secret)[1:-1],
+        *escaped,
+        *(orjson.dumps(form).decode()[1:-1] for form in escaped),
         repr(secret)[1:-1],
     ]
     return tuple(sorted(set(forms), key=len, reverse=True))

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from django.db import DataError, IntegrityError, connection, transaction
 
-from durability import canonical, checkpoints, events, operations
+from durability import canonical, checkpoints, events, operations, redact
 from durability.langgraph import store
 from durability.langgraph.models import Thread
 from durability.langgraph.status import MID_RUN
@@ -165,6 +165,27 @@ def _new_thread(name: str):
     thread, start = store.thread_of(name, "", graph="g", create=True)
     assert start is not None
     return thread, start
+
+
+def test_a_secret_in_a_new_threads_rows_is_written_nowhere():
+    """A new thread's rows go to the database as one JSON object each, and the run's input
+    and the event's data are JSON texts inside it: a secret the execution read (here with
+    a quote and a backslash, which JSON escapes, twice there) is scrubbed from them as from
+    any statement's parameters."""
+    secret = 'pa"ss\\word-4f9c2d7e8a1b'
+    with redact.scope({secret}):
+        thread, _ = store.thread_of(f"user {secret}", "", graph="g", create=True)
+    assert thread is not None
+    stored = [
+        *Run.objects.filter(pk=thread.run_id).values_list("input", flat=True),
+        *Event.objects.filter(run_id=thread.run_id).values_list("data", flat=True),
+        *Thread.objects.filter(pk=thread.pk).values_list("thread_id", flat=True),
+    ]
+    assert len(stored) == 3
+    for text in stored:
+        assert "pa" not in text.replace(redact.REDACTED, ""), text
+        assert redact.REDACTED in text, text
+    assert canonical.loads(stored[0])["thread_id"] == f"user {redact.REDACTED}"
 
 
 def _checkpoint_with(thread, start, report, *, head_seq: int | None = None):
