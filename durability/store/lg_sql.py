@@ -13,9 +13,9 @@ plan (``PostgresLangGraph.own_session``).
 
 Once per thread or per change of its status, on the saver's own thread: a new thread's rows
 (``new_thread``: the rows Django would save, one ``INSERT`` per CTE, each row one JSON
-parameter) and a status report
-with its event that follows a task's writes rather than a checkpoint (``report``: lifecycle's
-change of the run, rendered); prepared too, on that thread's connection.
+parameter) and a status report with its event that follows a task's writes rather than a
+checkpoint (``report``: lifecycle's change of the run, rendered); prepared too, on that
+thread's connection.
 """
 
 from __future__ import annotations
