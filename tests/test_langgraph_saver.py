@@ -17,7 +17,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
 from durability import canonical, checkpoints, operations, redact
-from durability.langgraph import DurableSaver
+from durability.langgraph import DurableSaver, ThreadDeleted
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run, Snapshot
 from durability.store import langgraph as lg_store
@@ -240,6 +240,45 @@ def test_a_thread_another_saver_made_after_get_tuple_found_nothing_is_the_one_us
     assert latest.checkpoint["id"] == ours["id"]
     assert latest.parent_config["configurable"]["checkpoint_id"] == before.checkpoint["id"]
     (report,) = operations.verify(thread.run_id)
+    assert report.ok, str(report)
+
+
+def test_a_thread_another_saver_deleted_starts_over_on_the_saver_that_was_serving_it():
+    """Each process of a chat application has its saver. One deletes a conversation's
+    thread (its user starts it over); the next message reaches another, which had been
+    serving the thread: the graph starts the thread afresh there, as on a saver that never
+    saw it, rather than failing on what it remembered of it."""
+    ours_cfg, theirs_cfg = config(), config()
+    serving, deleting = DurableSaver(), DurableSaver()
+    ours = graphs.tool_loop().compile(checkpointer=serving)
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    ours.invoke(graphs.first_input(), ours_cfg)
+    gone = run_of(ours_cfg)
+    deleting.delete_thread(ours_cfg["configurable"]["thread_id"])
+    again = ours.invoke(graphs.first_input(), ours_cfg)
+    assert again == theirs.invoke(graphs.first_input(), theirs_cfg)
+    assert history(ours, ours_cfg) == history(theirs, theirs_cfg)
+    assert run_of(ours_cfg).pk != gone.pk
+    (report,) = operations.verify(run_of(ours_cfg).id)
+    assert report.ok, str(report)
+
+
+def test_a_put_on_a_thread_deleted_meanwhile_says_so_and_the_next_one_starts_it_over():
+    """The thread is deleted by another process between a graph's supersteps: the
+    checkpoint is refused in plain words, nothing is stored, and the next ``put`` makes the
+    thread again."""
+    cfg = config()
+    serving, deleting = DurableSaver(), DurableSaver()
+    graphs.tool_loop().compile(checkpointer=serving).invoke(graphs.first_input(), cfg)
+    latest = serving.get_tuple(cfg)
+    deleting.delete_thread(cfg["configurable"]["thread_id"])
+    md = {"source": "update", "step": 99, "parents": {}}
+    with pytest.raises(ThreadDeleted, match="was deleted, by another process, while this graph"):
+        serving.put(latest.config, empty_checkpoint(), md, {})
+    assert not Thread.objects.filter(thread_id=cfg["configurable"]["thread_id"]).exists()
+    stored = serving.put(latest.config, empty_checkpoint(), md, {})
+    assert serving.get_tuple(cfg).config == stored
+    (report,) = operations.verify(run_of(cfg).id)
     assert report.ok, str(report)
 
 

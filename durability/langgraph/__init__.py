@@ -20,12 +20,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DurableSaver", "GraphAgent", "agent", "effect", "journaled", "wait_for"]
+__all__ = [
+    "DurableSaver",
+    "GraphAgent",
+    "ThreadDeleted",
+    "agent",
+    "effect",
+    "journaled",
+    "wait_for",
+]
 
 # Where each public name lives (imported on first use: they need the extra).
 _HOMES = {
     "DurableSaver": "durability.langgraph.saver",
     "GraphAgent": "durability.langgraph.registered",
+    "ThreadDeleted": "durability.langgraph.latest",
     "agent": "durability.langgraph.registered",
     "journaled": "durability.langgraph.registered",
     "effect": "durability.langgraph.registered",

@@ -22,6 +22,11 @@ from durability.errors import IntegrityViolation
 from durability.store import langgraph as lg_store
 
 
+class ThreadDeleted(LookupError):
+    """A thread the saver held in memory was deleted meanwhile (``delete_thread`` in
+    another process, say): its run is gone."""
+
+
 @dataclass(slots=True)
 class Stored:
     """What a saver keeps in memory of a stored checkpoint, to patch the next one on it.
@@ -70,8 +75,12 @@ def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> F
 
 
 def start(db: Any, run_id: Any) -> Stored:
-    """The empty first checkpoint of a thread's run (the parent of its first ``put``)."""
-    return first(*lg_store.for_connection(db).start(run_id))
+    """The empty first checkpoint of a thread's run (the parent of its first ``put``);
+    ``ThreadDeleted`` if the run is gone."""
+    found = lg_store.for_connection(db).start(run_id)
+    if found is None:
+        raise ThreadDeleted(f"run {run_id} was deleted")
+    return first(*found)
 
 
 def first(cp_id: int, state_hash: str, chain_hash: str, size: int) -> Stored:

@@ -151,6 +151,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 saved = self._on_db(
                     self._commit, thread, parent_id, checkpoint["id"], doc, md, riding
                 )
+            except latest.ThreadDeleted:
+                self._forget(thread)
+                raise latest.ThreadDeleted(
+                    f"thread {thread_id!r} (namespace {ns!r}) was deleted, by another"
+                    " process, while this graph was writing it: nothing was stored. Invoke"
+                    " the graph on it again to start it over."
+                ) from None
             except BaseException:
                 # Whether it was stored is unknown: read the thread's head again next time,
                 # and say the run's status again.
@@ -250,8 +257,11 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 if known is not None:  # read the thread's head again next time
                     self._last.pop(known.pk, None)
                 raise
-            if found is None and known is None and not wanted:
-                self._note_absent(thread_id, ns)
+            if found is None and not wanted:
+                if known is None:
+                    self._note_absent(thread_id, ns)
+                else:  # deleted meanwhile, by another process: made again at its next put
+                    self._forget(known)
             if found is None or found.stored is None:
                 return None
             self._absent.discard((thread_id, ns))
@@ -277,6 +287,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
         rows = rows.filter(lg_id=wanted) if wanted else rows.order_by("-lg_id")
         row = rows.values_list("checkpoint_id", "lg_id", "lg_parent_id").first()
         if row is None:
+            if not wanted:  # perhaps deleted meanwhile, by another process: read it again
+                self._forget(thread)
             return None
         cp_id, lg_id, lg_parent = row
         last = self._last.get(thread.pk)

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from durability import canonical, checkpoints, diff
 from durability.errors import IntegrityViolation
-from durability.langgraph.latest import Stored, first
+from durability.langgraph.latest import Stored, ThreadDeleted, first
 from durability.langgraph.models import Thread
 from durability.langgraph.status import MID_RUN
 from durability.models import Checkpoint, CheckpointReason, Event, EventKind, Run, RunStatus
@@ -109,7 +109,9 @@ def thread_of(
 
 
 def start_of(thread: Thread) -> Stored:
-    cp = Checkpoint.objects.get(run_id=thread.run_id, seq=0)
+    cp = Checkpoint.objects.filter(run_id=thread.run_id, seq=0).first()
+    if cp is None:
+        raise ThreadDeleted(f"run {thread.run_id} was deleted")
     return first(cp.id, cp.state_hash, cp.chain_hash, cp.size)
 
 
@@ -217,7 +219,10 @@ def commit(
         checkpoint_id = statements.insert_checkpoint(row, relaxed, report)
         if checkpoint_id is not None:
             break
-        seq = statements.head_seq(new.thread.run_id) + 1
+        head = statements.head_seq(new.thread.run_id)
+        if head is None:
+            raise ThreadDeleted(f"run {new.thread.run_id} was deleted")
+        seq = head + 1
     else:  # pragma: no cover - a hundred writers on one thread at once
         raise IntegrityViolation("could not number the checkpoint", run_id=new.thread.run_id)
     if state_bytes is not None and not inline:

@@ -89,9 +89,9 @@ class LangGraphStore:
             Event.objects.bulk_create([event], run_checked=True)  # the UPDATE locked its run
             return True
 
-    def head_seq(self, run_id: Any) -> int:
-        """The run's last checkpoint number."""
-        return Run.objects.filter(pk=run_id).values_list("head_seq", flat=True)[0]
+    def head_seq(self, run_id: Any) -> int | None:
+        """The run's last checkpoint number; None if the run is gone (deleted)."""
+        return Run.objects.filter(pk=run_id).values_list("head_seq", flat=True).first()
 
     def put_writes(
         self,
@@ -145,9 +145,9 @@ class LangGraphStore:
             cur.execute(lg_sql.ANCESTORS, [thread, lg_id, thread, depth])
             return [(int(cp_id), lg) for cp_id, lg in cur.fetchall()]
 
-    def start(self, run_id: Any) -> tuple[int, str, str, int]:
-        """The id, state hash, chain hash and size of the run's empty first checkpoint.
-        Only where ``one_statement``."""
+    def start(self, run_id: Any) -> tuple[int, str, str, int] | None:
+        """The id, state hash, chain hash and size of the run's empty first checkpoint;
+        None if the run is gone (deleted). Only where ``one_statement``."""
         raise NotImplementedError("the saver reads one statement only on PostgreSQL")
 
 
@@ -218,10 +218,11 @@ class PostgresLangGraph(LangGraphStore):
         sql, params = lg_sql.report(self.conn, run_id, change, event)
         return bool(cast(tuple, self._prepared().fetch_one_prepared(sql, params))[0])
 
-    def head_seq(self, run_id: Any) -> int:
+    def head_seq(self, run_id: Any) -> int | None:
         with self.conn.cursor() as cur:
             cur.execute(lg_sql.HEAD_SEQ, [run_id])
-            return cur.fetchone()[0]
+            row = cur.fetchone()
+            return row[0] if row else None
 
     def put_writes(
         self,
@@ -256,7 +257,7 @@ class PostgresLangGraph(LangGraphStore):
         params = {"thread": thread_id, "ns": ns, "lg": lg_id, "have": have}
         return self._prepared().fetch_all_prepared(lg_sql.READ[bool(lg_id)], params)
 
-    def start(self, run_id: Any) -> tuple[int, str, str, int]:
+    def start(self, run_id: Any) -> tuple[int, str, str, int] | None:
         with self.conn.cursor() as cur:
             cur.execute(lg_sql.START, {"run": run_id})
             return cur.fetchone()
