@@ -17,7 +17,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
 from durability import canonical, checkpoints, operations, redact
-from durability.langgraph import DurableSaver, ThreadDeleted
+from durability.langgraph import DurableSaver, ThreadDeleted, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run, Snapshot
 from durability.store import langgraph as lg_store
@@ -181,24 +181,39 @@ def test_parallel_branch_failure_keeps_the_other_branch_writes():
     assert outcomes[0][4]["a"] == 1 and outcomes[0][4]["b"] == 2
 
 
-def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again():
+def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again(monkeypatch):
     """A process serving many conversations keeps ``cached_threads`` threads' last
-    checkpoints in memory; a thread it forgot goes on from the database, as with a saver
-    that never forgot it."""
+    checkpoints in memory, and ten times as many threads' rows; a thread whose state it
+    forgot goes on from the database, as with a saver that never forgot it, without looking
+    its row up again; one whose row it forgot too, as well."""
     saver = DurableSaver(cached_threads=2)
     ours = graphs.approval().compile(checkpointer=saver)
     theirs = graphs.approval().compile(checkpointer=InMemorySaver())
-    pairs = [(config(), config()) for _ in range(4)]
+    pairs = [(config(), config()) for _ in range(24)]
     for amount, (a, b) in enumerate(pairs, start=100):
         start = {"amount": amount, "decision": "", "done": False}
         assert plain(ours.invoke(start, a)) == plain(theirs.invoke(start, b))
-    kept = (saver._threads, saver._last, saver._head_seq, saver._encoders)
-    assert [len(k) <= 2 for k in kept] == [True] * 4
-    for a, b in pairs:  # the first two were forgotten before they are answered
+    states, rows = (saver._last, saver._encoders), (saver._threads, saver._head_seq)
+    assert [len(k) <= 2 for k in states] + [len(k) <= 20 for k in rows] == [True] * 4
+    made = Thread.objects.count()
+    for a, b in pairs:  # the first four were forgotten whole, the next eighteen in part
         assert ours.invoke(Command(resume="yes"), a) == theirs.invoke(Command(resume="yes"), b)
         assert history(ours, a) == history(theirs, b)
         assert run_of(a).status == "succeeded"
-    assert [len(k) <= 2 for k in kept] == [True] * 4
+    assert Thread.objects.count() == made
+    # A checkpoint put on a thread whose state is forgotten but whose row is known reads the
+    # state only; on a thread forgotten whole, the row too.
+    row_known, forgotten = pairs[10][0], pairs[0][0]
+    heads = [DurableSaver().get_tuple(a).config for a in (row_known, forgotten)]
+    looked_up = []
+    real = store.thread_of
+    monkeypatch.setattr(
+        store, "thread_of", lambda tid, ns, **kw: looked_up.append(tid) or real(tid, ns, **kw)
+    )
+    for head in heads:
+        saver.put(head, empty_checkpoint(), {"source": "update", "step": 99, "parents": {}}, {})
+    assert looked_up == [forgotten["configurable"]["thread_id"]]
+    assert [len(k) <= 2 for k in states] + [len(k) <= 20 for k in rows] == [True] * 4
 
 
 def test_cached_threads_must_be_a_whole_number_of_at_least_one():

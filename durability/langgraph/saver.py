@@ -12,9 +12,10 @@ run, ``list``, deleting, all of SQLite) runs on the saver's own thread and conne
 the event loop. A read finding its connection lost connects again and retries once.
 
 A saver remembers, per thread, the last checkpoint it stored or read (the next one is a
-patch on it) and the messages it encoded, for the ``cached_threads`` threads it used last: a
-process serving many conversations keeps its memory bounded, and a thread it forgot is read
-again from the database when it comes back. What the saver costs per superstep against
+patch on it) and the messages it encoded, for the ``cached_threads`` threads it used last,
+and the rows of ten times as many (``IDENTITIES``): a process serving many conversations
+keeps its memory bounded, and a thread it forgot is read again from the database when it
+comes back. What the saver costs per superstep against
 LangGraph's PostgresSaver, and why, is in docs/performance.md.
 """
 
@@ -65,6 +66,11 @@ from durability.store.reconnect import drop
 
 T = TypeVar("T")
 
+# Threads whose rows a saver knows, per thread whose state it keeps (``cached_threads``): a
+# row is a few KB, and finding one again goes through the saver's own thread, one at a time
+# (200 conversations at once on the default of 100, rows forgotten with states: 2.7 s).
+IDENTITIES = 10
+
 
 class DurableSaver(BaseCheckpointSaver[int]):
     """A LangGraph checkpointer on this product's store::
@@ -102,8 +108,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
         # The threads used last, least recent first (``_remember``).
         self._threads: OrderedDict[tuple[str, str], Thread] = OrderedDict()
         # Per thread row: the checkpoint last stored or read (the next one is patched on
-        # it), the run's last known head number, and the encoder that remembers messages.
-        self._last: dict[int, store.Stored] = {}
+        # it; least recent first, ``_keep``), the run's last known head number, and the
+        # encoder that remembers messages.
+        self._last: OrderedDict[int, store.Stored] = OrderedDict()
         self._head_seq: dict[int, int] = {}
         self._encoders: dict[int, codec.Encoder] = {}
         # Namespaces ``get_tuple`` found no checkpoint in (``_note_absent``).
@@ -162,9 +169,10 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 # Whether it was stored is unknown: read the thread's head again next time,
                 # and say the run's status again.
                 self._last.pop(thread.pk, None)
+                self._encoders.pop(thread.pk, None)
                 self._status.not_stored(thread)
                 raise
-            self._last[thread.pk] = saved
+            self._keep(thread.pk, saved)
             self._head_seq[thread.pk] = saved.seq
         if report is not None:
             self._call(report)
@@ -271,7 +279,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 )
                 self._remember(known)
                 self._status.found(known, found.agent)
-            self._last[found.thread] = found.stored
+            self._keep(found.thread, found.stored)
             self._head_seq[found.thread] = found.head_seq
             doc = found.stored.doc
             writes = reader.decoded_writes(found.writes, self.serde)
@@ -296,7 +304,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             last = store.stored(thread, lg_id)
             if last is None:  # deleted meanwhile
                 return None
-            self._last[thread.pk] = last
+            self._keep(thread.pk, last)
         writes = reader.pending_writes(thread, [lg_id], self.serde).get(lg_id, [])
         return shared.checkpoint_tuple(
             self.serde, thread_id, ns, lg_id, lg_parent, last.doc, writes
@@ -518,7 +526,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             self._remember(thread)
             self._head_seq[thread.pk] = thread.run.head_seq
             if start is not None:
-                self._last[thread.pk] = start
+                self._keep(thread.pk, start)
             self._status.known(thread)
         return thread
 
@@ -542,12 +550,14 @@ class DurableSaver(BaseCheckpointSaver[int]):
         return thread
 
     def _remember(self, thread: Thread) -> None:
-        """``thread`` as the most recently used; those beyond ``cached_threads`` forgotten,
-        least recent first, with anything a call still busy with one stored after it was."""
+        """``thread`` as the most recently used; those beyond ``IDENTITIES`` times
+        ``cached_threads`` forgotten, least recent first, with anything a call still busy
+        with one stored after it was."""
         self._threads[(thread.thread_id, thread.checkpoint_ns)] = thread
-        if len(self._threads) <= self.cached_threads:
+        bound = self.cached_threads * IDENTITIES
+        if len(self._threads) <= bound:
             return
-        while len(self._threads) > self.cached_threads:
+        while len(self._threads) > bound:
             self._threads.popitem(last=False)
         live = {t.pk for t in list(self._threads.values())}
         gone: set[int] = set()
@@ -556,6 +566,16 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 cache.pop(pk, None)
                 gone.add(pk)
         self._status.forget(gone)
+
+    def _keep(self, pk: int, stored: store.Stored) -> None:
+        """``stored`` as thread row ``pk``'s last checkpoint, the most recent; the states of
+        those beyond ``cached_threads`` dropped, least recent first (their threads are
+        still known: the next call on one reads its state, not its row)."""
+        self._last[pk] = stored
+        self._last.move_to_end(pk)
+        while len(self._last) > self.cached_threads:
+            old, _ = self._last.popitem(last=False)
+            self._encoders.pop(old, None)
 
     def _forget(self, thread: Thread) -> None:
         self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
