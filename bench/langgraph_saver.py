@@ -11,8 +11,9 @@ each time, so nothing is served from memory; also one saver called again and aga
 PostgresSaver's figure is taken, shown without a target) and ``list`` of every
 checkpoint. And, without a target, a conversation's turns rather than one long run: the
 overhead per invoke of a graph of three supersteps on a new thread, and as the next turn
-of a thread. Medians of repeats; the savers (and the graph without one) take turns, so
-that a busy spell of a shared machine weighs on each of them alike.
+of a thread; and many conversations at once on one saver, as an asyncio server has them
+(against ``AsyncPostgresSaver``). Medians of repeats; the savers (and the graph without one)
+take turns, so that a busy spell of a shared machine weighs on each of them alike.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ STEPS = 200
 ROUNDS = 11
 # A turn of a conversation: the model, a tool, the model again.
 SHORT_STEPS = 3
+# Conversations in flight at once in one process (an asyncio server's), twice the saver's
+# default ``cached_threads``.
+CROWD = 200
 
 
 def _graph(steps: int):
@@ -192,6 +196,7 @@ def run(b: Bench) -> None:
         stored = _bytes(pg, runs["pg"][-1][0], runs["ours"][-1][0])
         gets, lists = _reads(pg, runs["pg"][-1][0], runs["ours"][-1][0], repeats)
         short = _short(pg, 10 if b.quick else 30)
+    crowd = _crowd(b.db_url, CROWD // 4 if b.quick else CROWD, 1 if b.quick else 3)
     _report(
         b,
         steps,
@@ -202,6 +207,7 @@ def run(b: Bench) -> None:
         lists,
     )
     _report_short(b, short)
+    _report_crowd(b, crowd)
 
 
 def _short(pg, rounds: int) -> dict[str, tuple[float, float]]:
@@ -243,6 +249,58 @@ def _report_short(b: Bench, short: dict[str, tuple[float, float]]) -> None:
         rows.append([name, ms(pg_over), ms(our_over), fmt_ratio(our_over / pg_over)])
         b.add("langgraph", f"{name} (vs PostgresSaver, info)", f"{ms(our_over)}, {rows[-1][3]}")
     print(table(rows, ["figure", "PostgresSaver", "DurableSaver", "ratio"]))
+
+
+def _crowd(db_url: str, threads: int, rounds: int) -> tuple[int, float, float]:
+    """Many conversations at once in one process, as an asyncio server has them: ``threads``
+    threads each invoked (``ainvoke``, durability "sync") at once on one saver, then their
+    next turns at once, timed; ``DurableSaver`` with its defaults against LangGraph's
+    ``AsyncPostgresSaver`` on one connection, taking turns. Medians in seconds of the next
+    turns of all threads."""
+    import asyncio
+
+    from langchain_core.messages import HumanMessage
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    from durability.langgraph import DurableSaver
+
+    builder = _graph(SHORT_STEPS)
+
+    async def turns(graph) -> float:
+        ids = [uuid.uuid4().hex for _ in range(threads)]
+        configs = [{"configurable": {"thread_id": i}} for i in ids]
+        first = {"messages": [], "turns": 0}
+        await asyncio.gather(*(graph.ainvoke(first, c, durability="sync") for c in configs))
+        more = {"messages": [HumanMessage("and then?")], "turns": 0}
+        started = time.perf_counter()
+        await asyncio.gather(*(graph.ainvoke(more, c, durability="sync") for c in configs))
+        return time.perf_counter() - started
+
+    async def theirs() -> float:
+        async with AsyncPostgresSaver.from_conn_string(db_url) as pg:
+            return await turns(builder.compile(checkpointer=pg))
+
+    ours = DurableSaver(graph="bench-langgraph-crowd")
+    graph = builder.compile(checkpointer=ours)
+    times: dict[str, list[float]] = {"pg": [], "ours": []}
+    for _ in range(rounds):
+        times["pg"].append(asyncio.run(theirs()))
+        times["ours"].append(asyncio.run(turns(graph)))
+    ours.close()
+    return threads, median(times["pg"]), median(times["ours"])
+
+
+def _report_crowd(b: Bench, crowd: tuple[int, float, float]) -> None:
+    threads, pg, ours = crowd
+    name = f"{threads} threads' next turns at once, asyncio, one saver"
+    ratio = fmt_ratio(ours / pg)
+    print(
+        table(
+            [[name, ms(pg), ms(ours), ratio]],
+            ["figure", "AsyncPostgresSaver", "DurableSaver", "ratio"],
+        )
+    )
+    b.add("langgraph", f"{name} (vs AsyncPostgresSaver, info)", f"{ms(ours)}, {ratio}")
 
 
 def _bytes(pg, pg_thread: str, our_thread: str) -> tuple[int, int]:
