@@ -19,9 +19,9 @@ superstep that changes nothing (the usual case) costs nothing here. A checkpoint
 (a turn starting, the graph ending) is written in the checkpoint's own transaction, so the
 two are stored together or not at all, and a turn pays no statement of its own for them; on
 PostgreSQL it is part of the checkpoint's statement (the UPDATE of the run that numbers the
-checkpoint changes its status too). A report of a task's
-writes (an interrupt, an error) is written after them on the saver's thread; one that cannot
-be written is logged and said again at the next checkpoint.
+checkpoint changes its status too). A report of a task's writes (an interrupt, an error) is
+written after them on the saver's thread; one that cannot be written is logged and said
+again at the next checkpoint.
 """
 
 from __future__ import annotations
