@@ -547,6 +547,7 @@ class SnapshotWriter:
     def __init__(self) -> None:
         self._queue: queue.Queue[tuple[int, str, bytes] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # a LangGraph saver submits from many threads
 
     def submit(self, checkpoint_id: int, state_hash: str, state_bytes: bytes) -> None:
         """Store ``state_bytes`` as the snapshot of the checkpoint whose state hash is
@@ -560,9 +561,10 @@ class SnapshotWriter:
             except Exception:
                 log.warning("snapshot of checkpoint %s not written", checkpoint_id, exc_info=True)
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="snapshots", daemon=True)
-            self._thread.start()
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="snapshots", daemon=True)
+                self._thread.start()
         self._queue.put((checkpoint_id, state_hash, state_bytes))
 
     def _loop(self) -> None:

@@ -193,7 +193,8 @@ def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again(mo
     for amount, (a, b) in enumerate(pairs, start=100):
         start = {"amount": amount, "decision": "", "done": False}
         assert plain(ours.invoke(start, a)) == plain(theirs.invoke(start, b))
-    states, rows = (saver._last, saver._encoders), (saver._threads, saver._head_seq)
+    kept = saver._memory
+    states, rows = (kept._last, kept._encoders), (kept._threads, kept._head_seq)
     assert [len(k) <= 2 for k in states] + [len(k) <= 20 for k in rows] == [True] * 4
     made = Thread.objects.count()
     for a, b in pairs:  # the first four were forgotten whole, the next eighteen in part

@@ -25,7 +25,7 @@ from typing import Any
 from django.db import connection
 
 from durability import checkpoints
-from durability.langgraph.shared import Shared
+from durability.langgraph.pool import Pool
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +36,11 @@ _reaper_pid = 0  # the process whose reaper runs (a forked child starts its own)
 _at_exit_registered = False
 
 
-def shut(
-    worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, owned: list[Shared]
-) -> None:
+def shut(worker: ThreadPoolExecutor, snapshots: checkpoints.SnapshotWriter, owned: Pool) -> None:
     """Close a saver's snapshot thread, database connections and thread, waiting for the
     snapshots still being written."""
     snapshots.close()
-    for db in owned:
-        with db.lock:
-            db.close()
+    owned.close()
     # At exit the executors may already be shut down: then there is nothing to close.
     with contextlib.suppress(RuntimeError):
         worker.submit(lambda: connection.close()).result()
@@ -53,7 +49,7 @@ def shut(
 
 def watch(saver: Any) -> weakref.finalize:
     """The finalizer that hands ``saver``'s resources (``saver._worker``, ``_snapshots``,
-    ``_db``, ``_writes_db``) to the reaper when it is collected; ``close`` runs it at once.
+    ``_pool``) to the reaper when it is collected; ``close`` runs it at once.
     Called from the saver's constructor: an ordinary place to start the reaper."""
     global _at_exit_registered
     with _lock:
@@ -62,8 +58,7 @@ def watch(saver: Any) -> weakref.finalize:
             atexit.register(_at_exit)
             _at_exit_registered = True
         _open.add(saver)
-    owned = [saver._db, saver._writes_db]
-    closer = weakref.finalize(saver, _collected.put, (saver._worker, saver._snapshots, owned))
+    closer = weakref.finalize(saver, _collected.put, (saver._worker, saver._snapshots, saver._pool))
     closer.atexit = False  # ``_at_exit`` closes the savers still open, in order
     return closer
 

@@ -5,27 +5,25 @@ LangGraph checkpoint one of the run's checkpoints: a patch on its parent, hash-c
 verifiable with ``durability verify``.
 
 On PostgreSQL, ``put``, ``put_writes`` and ``get_tuple`` run on the thread LangGraph calls
-from, one statement each, on two connections the saver owns (checkpoints and reads; pending
-writes, so that they do not hold up the checkpoint after them). The rest (a new thread's
-run, ``list``, deleting, all of SQLite) runs on the saver's own thread and connection.
+from, one statement each, on connections the saver owns (``pool``): up to ``connections``
+calls at once, those on one thread's namespace one at a time. The rest (a new thread's run,
+``list``, deleting, all of SQLite) runs on the saver's own thread and connection.
 ``close()``, garbage collection and exit close them. Async methods run the sync ones off
 the event loop. A read finding its connection lost connects again and retries once.
 
 A saver remembers, per thread, the last checkpoint it stored or read (the next one is a
 patch on it) and the messages it encoded, for the ``cached_threads`` threads it used last,
-and the rows of ten times as many (``IDENTITIES``): a process serving many conversations
-keeps its memory bounded, and a thread it forgot is read again from the database when it
-comes back. What the saver costs per superstep against
-LangGraph's PostgresSaver, and why, is in docs/performance.md.
+and the rows of ten times as many (``memory``): a process serving many conversations keeps
+its memory bounded, and a thread it forgot is read again from the database when it comes
+back. What the saver costs per superstep against LangGraph's PostgresSaver, and why, is in
+docs/performance.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
@@ -52,6 +50,8 @@ from durability.langgraph import (
     delta,
     latest,
     lifetime,
+    memory,
+    pool,
     pruning,
     reader,
     shared,
@@ -59,17 +59,12 @@ from durability.langgraph import (
     store,
 )
 from durability.langgraph.models import SavedCheckpoint, Thread
-from durability.langgraph.shared import Shared, connected, lg_config
+from durability.langgraph.shared import connected, lg_config
 from durability.models import Run
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
 
 T = TypeVar("T")
-
-# Threads whose rows a saver knows, per thread whose state it keeps (``cached_threads``): a
-# row is a few KB, and finding one again goes through the saver's own thread, one at a time
-# (200 conversations at once on the default of 100, rows forgotten with states: 2.7 s).
-IDENTITIES = 10
 
 
 class DurableSaver(BaseCheckpointSaver[int]):
@@ -82,7 +77,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
     ``"relaxed"`` does not wait for the flush (a database crash may lose the last fraction
     of a second of checkpoints, never corrupting them), as the product's levels do.
     ``cached_threads``: how many threads' last checkpoints are kept in memory (see the
-    module's docstring)."""
+    module's docstring). ``connections``: how many database connections its calls on
+    PostgreSQL use at most, opened as calls need them (calls on as many threads run at
+    once; more wait for a connection)."""
 
     def __init__(
         self,
@@ -91,6 +88,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         durability: str = "strict",
         serde: SerializerProtocol | None = None,
         cached_threads: int = 100,
+        connections: int = 4,
     ) -> None:
         super().__init__(serde=serde)
         if not graph or len(graph) > 200:
@@ -99,28 +97,20 @@ class DurableSaver(BaseCheckpointSaver[int]):
             raise ValueError(f"durability must be 'strict' or 'relaxed', not {durability!r}")
         if type(cached_threads) is not int or cached_threads < 1:
             raise ValueError(f"cached_threads must be a whole number >= 1, not {cached_threads!r}")
+        if type(connections) is not int or connections < 1:
+            raise ValueError(f"connections must be a whole number >= 1, not {connections!r}")
         self.graph = graph
         self.durability = durability
         self.cached_threads = cached_threads
-        self._lock = threading.RLock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-saver")
         self._worker_thread: threading.Thread | None = None
-        # The threads used last, least recent first (``_remember``).
-        self._threads: OrderedDict[tuple[str, str], Thread] = OrderedDict()
-        # Per thread row: the checkpoint last stored or read (the next one is patched on
-        # it; least recent first, ``_keep``), the run's last known head number, and the
-        # encoder that remembers messages.
-        self._last: OrderedDict[int, store.Stored] = OrderedDict()
-        self._head_seq: dict[int, int] = {}
-        self._encoders: dict[int, codec.Encoder] = {}
-        # Namespaces ``get_tuple`` found no checkpoint in (``_note_absent``).
-        self._absent: set[tuple[str, str]] = set()
         self._snapshots = checkpoints.SnapshotWriter()
         self._status = status.Reporter()
+        self._memory = memory.Memory(cached_threads, self._status)
         # PostgreSQL: the connections of the calls made at every superstep (see the
-        # module's docstring). The first is used with ``_lock`` held.
+        # module's docstring).
         self._fast = lg_store.for_connection(connection).one_statement
-        self._db, self._writes_db = Shared(), Shared()
+        self._pool = pool.Pool(connections)
         self._closer = lifetime.watch(self)
         self._origin: DurableSaver | None = None  # ``with_allowlist``
 
@@ -140,8 +130,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
         fields = dict(checkpoint)
         values = fields.pop("channel_values")
         md = get_checkpoint_metadata(config, metadata)
-        with self._lock:
-            encoder = self._encoders.setdefault(thread.pk, codec.Encoder(self.serde))
+        mem = self._memory
+        with self._pool.thread(thread_id, ns):
+            encoder, seq = mem.encoder(thread.pk, self.serde), mem.head_seq(thread.pk) + 1
             doc = {
                 "checkpoint": codec.Encoder(self.serde).encode(fields),
                 "values": encoder.encode(values),
@@ -149,7 +140,6 @@ class DurableSaver(BaseCheckpointSaver[int]):
             }
             # A change of the run's status this checkpoint makes (``status``: a turn's
             # start and end), written in its transaction where that needs no query first.
-            seq = self._head_seq.get(thread.pk, 0) + 1
             report = self._status.put(thread, checkpoint["id"], values, seq)
             riding = None
             if report is not None and report.can_ride():
@@ -159,7 +149,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                     self._commit, thread, parent_id, checkpoint["id"], doc, md, riding
                 )
             except latest.ThreadDeleted:
-                self._forget(thread)
+                mem.forget(thread)
                 raise latest.ThreadDeleted(
                     f"thread {thread_id!r} (namespace {ns!r}) was deleted, by another"
                     " process, while this graph was writing it: nothing was stored. Invoke"
@@ -168,12 +158,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
             except BaseException:
                 # Whether it was stored is unknown: read the thread's head again next time,
                 # and say the run's status again.
-                self._last.pop(thread.pk, None)
-                self._encoders.pop(thread.pk, None)
+                mem.unsure(thread.pk)
                 self._status.not_stored(thread)
                 raise
-            self._keep(thread.pk, saved)
-            self._head_seq[thread.pk] = saved.seq
+            with mem.lock:
+                if mem.is_known(thread):  # not forgotten (deleted) meanwhile
+                    mem.keep(thread.pk, saved, saved.seq)
         if report is not None:
             self._call(report)
         return lg_config(thread_id, ns, checkpoint["id"])
@@ -191,7 +181,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         new = store.NewCheckpoint(
             thread=thread,
             parent=self._parent(db, thread, parent_id),
-            seq=self._head_seq.get(thread.pk, 0) + 1,
+            seq=self._memory.head_seq(thread.pk) + 1,
             lg_id=lg_id,
             parent_lg_id=parent_id,
             doc=doc,
@@ -227,11 +217,10 @@ class DurableSaver(BaseCheckpointSaver[int]):
             )
 
         if self._fast:
-            self._writes_db.run(write, retry=True)  # stored once whatever the tries
+            self._pool.run(write, retry=True)  # stored once whatever the tries
         else:
-            with self._lock:
-                write(connection)
-        last, seq = self._last.get(thread.pk), self._head_seq.get(thread.pk, 0)
+            write(connection)
+        last, seq = self._memory.last(thread.pk), self._memory.head_seq(thread.pk)
         here = last is not None and last.lg_id == checkpoint_id  # read or put by this saver
         if r := self._status.writes(thread, checkpoint_id, writes, task_path, seq, task_id, here):
             self._call(r)
@@ -254,33 +243,33 @@ class DurableSaver(BaseCheckpointSaver[int]):
         wanted = get_checkpoint_id(config) or ""
         if not self._fast:
             return self._call(self._get_tuple_orm, thread_id, ns, wanted)
-        with self._lock:
-            known = self._threads.get((thread_id, ns))
-            have = self._last.get(known.pk) if known is not None else None
+        mem = self._memory
+        with self._pool.thread(thread_id, ns):
+            known = mem.thread(thread_id, ns)
+            have = mem.last(known.pk) if known is not None else None
             try:
-                found = self._db.use(
+                found = self._pool.run(
                     lambda db: latest.read(db, thread_id, ns, wanted, have), retry=True
                 )
             except BaseException:
                 if known is not None:  # read the thread's head again next time
-                    self._last.pop(known.pk, None)
+                    mem.unsure(known.pk)
                 raise
             if found is None and not wanted:
                 if known is None:
-                    self._note_absent(thread_id, ns)
+                    mem.note_absent(thread_id, ns)
                 else:  # deleted meanwhile, by another process: made again at its next put
-                    self._forget(known)
+                    mem.forget(known)
             if found is None or found.stored is None:
                 return None
-            self._absent.discard((thread_id, ns))
+            mem.take_absent(thread_id, ns)
             if known is None:
                 known = Thread(
                     id=found.thread, thread_id=thread_id, checkpoint_ns=ns, run_id=found.run_id
                 )
-                self._remember(known)
+                mem.remember(known)
                 self._status.found(known, found.agent)
-            self._keep(found.thread, found.stored)
-            self._head_seq[found.thread] = found.head_seq
+            mem.keep(found.thread, found.stored, found.head_seq)
             doc = found.stored.doc
             writes = reader.decoded_writes(found.writes, self.serde)
             return shared.checkpoint_tuple(
@@ -296,15 +285,15 @@ class DurableSaver(BaseCheckpointSaver[int]):
         row = rows.values_list("checkpoint_id", "lg_id", "lg_parent_id").first()
         if row is None:
             if not wanted:  # perhaps deleted meanwhile, by another process: read it again
-                self._forget(thread)
+                self._memory.forget(thread)
             return None
         cp_id, lg_id, lg_parent = row
-        last = self._last.get(thread.pk)
+        last = self._memory.last(thread.pk)
         if last is None or last.id != cp_id:
             last = store.stored(thread, lg_id)
             if last is None:  # deleted meanwhile
                 return None
-            self._keep(thread.pk, last)
+            self._memory.keep(thread.pk, last)
         writes = reader.pending_writes(thread, [lg_id], self.serde).get(lg_id, [])
         return shared.checkpoint_tuple(
             self.serde, thread_id, ns, lg_id, lg_parent, last.doc, writes
@@ -340,14 +329,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
     # --- deleting ------------------------------------------------------------------------
 
     def _delete_thread(self, thread_id: str) -> None:
-        with self._lock:
-            for thread in pruning.delete_thread(thread_id):
-                self._forget(thread)
+        for thread in pruning.delete_thread(thread_id):
+            self._memory.forget(thread)
 
     def _prune(self, thread_ids: Sequence[str], strategy: str) -> None:
-        with self._lock:
-            for thread in pruning.prune(thread_ids, strategy):
-                self._forget(thread)
+        for thread in pruning.prune(thread_ids, strategy):
+            self._memory.forget(thread)
 
     # --- LangGraph's delta channels --------------------------------------------------------
 
@@ -487,20 +474,21 @@ class DurableSaver(BaseCheckpointSaver[int]):
         )
 
     def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        # Never with a thread's lock (``_pool.thread``) held, which calls waiting for this
+        # thread may hold: it takes none on PostgreSQL, and is the only caller elsewhere.
         self._worker_thread = threading.current_thread()
-        with self._lock:
-            try:
-                return fn(*args)
-            except DatabaseError:
-                if not connected():
-                    drop(connection)  # lost: the next call connects again
-                raise
+        try:
+            return fn(*args)
+        except DatabaseError:
+            if not connected():
+                drop(connection)  # lost: the next call connects again
+            raise
 
     def _on_db(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(connection, *args)`` with ``_lock`` held: the saver's own connection on
-        PostgreSQL, else the saver's thread's."""
+        """``fn(connection, *args)``: a connection of the saver's pool on PostgreSQL, else
+        the saver's thread's."""
         if self._fast:
-            return self._db.use(lambda db: fn(db, *args))
+            return self._pool.run(lambda db: fn(db, *args))
         return fn(connection, *args)
 
     def run_of(self, thread_id: str, checkpoint_ns: str = "") -> Run | None:
@@ -513,80 +501,39 @@ class DurableSaver(BaseCheckpointSaver[int]):
         return thread.run if thread else None
 
     def _thread(self, thread_id: str, ns: str, *, create: bool) -> Thread | None:
-        key = (thread_id, ns)
-        thread = self._threads.get(key)
+        mem = self._memory
+        thread = mem.thread(thread_id, ns)
         if thread is None:
-            absent = key in self._absent
-            self._absent.discard(key)
             thread, start = store.thread_of(
-                thread_id, ns, graph=self.graph, create=create, absent=absent
+                thread_id,
+                ns,
+                graph=self.graph,
+                create=create,
+                absent=mem.take_absent(thread_id, ns),
             )
             if thread is None:
                 return None
-            self._remember(thread)
-            self._head_seq[thread.pk] = thread.run.head_seq
+            mem.remember(thread, thread.run.head_seq)
             if start is not None:
-                self._keep(thread.pk, start)
+                mem.keep(thread.pk, start)
             self._status.known(thread)
         return thread
 
-    def _note_absent(self, thread_id: str, ns: str) -> None:
-        """The namespace has no checkpoint: its next ``put`` makes the thread without
-        looking it up first (``store.thread_of``). A hint, bounded as the caches are."""
-        if len(self._absent) >= self.cached_threads:
-            self._absent.clear()
-        self._absent.add((thread_id, ns))
-
     def _known(self, thread_id: str, ns: str) -> Thread:
-        """The namespace's thread, made if new (on the saver's thread: not with ``_lock``
-        held on another)."""
-        thread = self._threads.get((thread_id, ns))
+        """The namespace's thread, made if new (on the saver's thread, which takes no
+        thread's lock: never with one held)."""
+        thread = self._memory.thread(thread_id, ns)
         if thread is None:
             thread = self._call(lambda: self._thread(thread_id, ns, create=True))
             assert thread is not None
         else:
-            with contextlib.suppress(KeyError):  # forgotten meanwhile: read again next time
-                self._threads.move_to_end((thread_id, ns))
+            self._memory.used(thread_id, ns)
         return thread
-
-    def _remember(self, thread: Thread) -> None:
-        """``thread`` as the most recently used; those beyond ``IDENTITIES`` times
-        ``cached_threads`` forgotten, least recent first, with anything a call still busy
-        with one stored after it was."""
-        self._threads[(thread.thread_id, thread.checkpoint_ns)] = thread
-        bound = self.cached_threads * IDENTITIES
-        if len(self._threads) <= bound:
-            return
-        while len(self._threads) > bound:
-            self._threads.popitem(last=False)
-        live = {t.pk for t in list(self._threads.values())}
-        gone: set[int] = set()
-        for cache in (self._last, self._head_seq, self._encoders):
-            for pk in [pk for pk in list(cache) if pk not in live]:
-                cache.pop(pk, None)
-                gone.add(pk)
-        self._status.forget(gone)
-
-    def _keep(self, pk: int, stored: store.Stored) -> None:
-        """``stored`` as thread row ``pk``'s last checkpoint, the most recent; the states of
-        those beyond ``cached_threads`` dropped, least recent first (their threads are
-        still known: the next call on one reads its state, not its row)."""
-        self._last[pk] = stored
-        self._last.move_to_end(pk)
-        while len(self._last) > self.cached_threads:
-            old, _ = self._last.popitem(last=False)
-            self._encoders.pop(old, None)
-
-    def _forget(self, thread: Thread) -> None:
-        self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
-        for cache in (self._last, self._head_seq, self._encoders):
-            cache.pop(thread.pk, None)
-        self._status.forget({thread.pk})
 
     def _parent(self, db: Any, thread: Thread, parent_id: str) -> latest.Stored:
         """The checkpoint a new one is patched on: the last one written or read, else read
         (the run's empty first checkpoint for a thread's first)."""
-        last = self._last.get(thread.pk)
+        last = self._memory.last(thread.pk)
         if last is not None and last.lg_id == parent_id:
             return last
         if not self._fast:
@@ -595,6 +542,6 @@ class DurableSaver(BaseCheckpointSaver[int]):
         if parent_id:
             read = latest.read(db, thread.thread_id, thread.checkpoint_ns, parent_id, None)
             if read is not None and read.stored is not None:
-                self._head_seq[thread.pk] = max(read.head_seq, self._head_seq.get(thread.pk, 0))
+                self._memory.saw_head(thread.pk, read.head_seq)
                 return read.stored
         return latest.start(db, thread.run_id)

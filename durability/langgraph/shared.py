@@ -26,6 +26,7 @@ class Shared:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._db: Any = None
+        self.drops = 0  # connections found lost and dropped so far
 
     def run(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
         """``fn(connection)``, with this connection's lock held."""
@@ -54,6 +55,7 @@ class Shared:
                     raise
                 drop(self._db)
                 self._db = None
+                self.drops += 1
                 if not again:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover

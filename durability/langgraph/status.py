@@ -256,11 +256,11 @@ class Report:
         return self.thread.pk in self.reporter._outside
 
     def riding(self) -> tuple[lifecycle.GraphChange, Event] | None:
-        """What to write in the transaction of the checkpoint it follows from (the saver's
-        lock held, as on the saver's thread; ``can_ride``): None if there is nothing to (one
-        made after it was written already, or the workers execute the run, whose statuses
-        are theirs)."""
-        if not self._first() or not self.reporter._outside[self.thread.pk]:
+        """What to write in the transaction of the checkpoint it follows from (its thread's
+        calls one at a time; ``can_ride``): None if there is nothing to (one made after it
+        was written already, the workers execute the run, whose statuses are theirs, or its
+        thread was forgotten meanwhile and is said again when it comes back)."""
+        if not self._first() or not self.reporter._outside.get(self.thread.pk):
             return None
         return self.change()
 
@@ -281,11 +281,12 @@ class Report:
         return change, events.failed(run_id, message=text, detail={}, seq=seq)
 
     def _first(self) -> bool:
-        written = self.reporter._written
-        if written.get(self.thread.pk, -1) > self.number:
-            return False  # made before one already written: that one is newer
-        written[self.thread.pk] = self.number
-        return True
+        with self.reporter._lock:
+            written = self.reporter._written
+            if written.get(self.thread.pk, -1) > self.number:
+                return False  # made before one already written: that one is newer
+            written[self.thread.pk] = self.number
+            return True
 
 
 def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] | None:

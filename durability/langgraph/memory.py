@@ -1,0 +1,138 @@
+"""What a saver remembers of the threads it served, bounded, and safe to change from the
+threads its calls come on at once.
+
+Per thread (its namespace's row): the last checkpoint stored or read (the next one is a
+patch on it), the run's last known checkpoint number, and the encoder that remembers the
+messages it encoded; those of the ``cached_threads`` threads used last. The rows
+themselves are remembered for ten times as many (``IDENTITIES``). A thread forgotten is read
+again from the database when it comes back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from durability.langgraph import codec, status
+from durability.langgraph.latest import Stored
+from durability.langgraph.models import Thread
+
+# Threads whose rows a saver knows, per thread whose state it keeps (``cached_threads``): a
+# row is a few KB, and finding one again goes through the saver's own thread, one at a time
+# (200 conversations at once on the default of 100, rows forgotten with states: 2.7 s).
+IDENTITIES = 10
+
+
+class Memory:
+    """The maps, each change under ``lock`` (held by the caller too where it reads and
+    then changes; never through a statement)."""
+
+    def __init__(self, cached_threads: int, reporter: status.Reporter) -> None:
+        self.cached_threads = cached_threads
+        self.lock = threading.RLock()
+        self._reporter = reporter
+        # The threads used last, least recent first (``remember``).
+        self._threads: OrderedDict[tuple[str, str], Thread] = OrderedDict()
+        # By thread row: least recent first (``keep``).
+        self._last: OrderedDict[int, Stored] = OrderedDict()
+        self._head_seq: dict[int, int] = {}
+        self._encoders: dict[int, codec.Encoder] = {}
+        # Namespaces ``get_tuple`` found no checkpoint in (``note_absent``).
+        self._absent: set[tuple[str, str]] = set()
+
+    def thread(self, thread_id: str, ns: str) -> Thread | None:
+        return self._threads.get((thread_id, ns))
+
+    def last(self, pk: int) -> Stored | None:
+        """The thread row's last checkpoint stored or read, if kept."""
+        return self._last.get(pk)
+
+    def head_seq(self, pk: int) -> int:
+        """The last checkpoint number the thread row's run is known to have."""
+        return self._head_seq.get(pk, 0)
+
+    def encoder(self, pk: int, serde: Any) -> codec.Encoder:
+        with self.lock:
+            return self._encoders.setdefault(pk, codec.Encoder(serde))
+
+    def used(self, thread_id: str, ns: str) -> None:
+        """The namespace's thread as the most recently used, if it is still known."""
+        with self.lock:
+            if (thread_id, ns) in self._threads:
+                self._threads.move_to_end((thread_id, ns))
+
+    def is_known(self, thread: Thread) -> bool:
+        """Whether ``thread`` is still the row remembered for its namespace: not forgotten
+        (deleted) while a call on it ran."""
+        known = self._threads.get((thread.thread_id, thread.checkpoint_ns))
+        return known is not None and known.pk == thread.pk
+
+    def remember(self, thread: Thread, head_seq: int | None = None) -> None:
+        """``thread`` as the most recently used (and its run's number, if given); those
+        beyond ``IDENTITIES`` times ``cached_threads`` forgotten, least recent first, with
+        anything a call still busy with one kept after it was."""
+        with self.lock:
+            self._threads[(thread.thread_id, thread.checkpoint_ns)] = thread
+            if head_seq is not None:
+                self._head_seq[thread.pk] = head_seq
+            bound = self.cached_threads * IDENTITIES
+            if len(self._threads) <= bound:
+                return
+            while len(self._threads) > bound:
+                self._threads.popitem(last=False)
+            live = {t.pk for t in self._threads.values()}
+            gone: set[int] = set()
+            for cache in (self._last, self._head_seq, self._encoders):
+                for pk in [pk for pk in cache if pk not in live]:
+                    cache.pop(pk, None)
+                    gone.add(pk)
+            self._reporter.forget(gone)
+
+    def keep(self, pk: int, stored: Stored, head_seq: int | None = None) -> None:
+        """``stored`` as thread row ``pk``'s last checkpoint, the most recent (and its run's
+        number, if given); the states of those beyond ``cached_threads`` dropped, least
+        recent first (their threads are still known: the next call on one reads its
+        state, not its row)."""
+        with self.lock:
+            self._last[pk] = stored
+            self._last.move_to_end(pk)
+            if head_seq is not None:
+                self._head_seq[pk] = head_seq
+            while len(self._last) > self.cached_threads:
+                old, _ = self._last.popitem(last=False)
+                self._encoders.pop(old, None)
+
+    def saw_head(self, pk: int, head_seq: int) -> None:
+        """The run of thread row ``pk`` has at least ``head_seq`` checkpoints."""
+        with self.lock:
+            self._head_seq[pk] = max(head_seq, self._head_seq.get(pk, 0))
+
+    def unsure(self, pk: int) -> None:
+        """Whether the thread row's last checkpoint was stored is unknown: its head is read
+        again, and its messages encoded again, next time."""
+        with self.lock:
+            self._last.pop(pk, None)
+            self._encoders.pop(pk, None)
+
+    def forget(self, thread: Thread) -> None:
+        with self.lock:
+            self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
+            for cache in (self._last, self._head_seq, self._encoders):
+                cache.pop(thread.pk, None)
+        self._reporter.forget({thread.pk})
+
+    def note_absent(self, thread_id: str, ns: str) -> None:
+        """The namespace has no checkpoint: its next ``put`` makes the thread without
+        looking it up first (``store.thread_of``). A hint, bounded as the caches are."""
+        with self.lock:
+            if len(self._absent) >= self.cached_threads:
+                self._absent.clear()
+            self._absent.add((thread_id, ns))
+
+    def take_absent(self, thread_id: str, ns: str) -> bool:
+        """Whether the namespace was noted absent; the note is gone after."""
+        with self.lock:
+            absent = (thread_id, ns) in self._absent
+            self._absent.discard((thread_id, ns))
+            return absent

@@ -1,0 +1,158 @@
+"""One saver serving many conversations at once, as an asyncio server's does: calls on
+different threads run at once on connections of the saver's own, so one that waits for the
+database holds up no other thread, and the results are those of LangGraph's own saver."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import pytest
+from django.db import DEFAULT_DB_ALIAS, connection, connections
+from langchain_core.messages import HumanMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.types import Command
+
+from durability import operations
+from durability.langgraph import DurableSaver
+from durability.langgraph.models import Thread
+from durability.models import Run
+from tests import langgraph_graphs as graphs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def config() -> dict:
+    return {"configurable": {"thread_id": uuid.uuid4().hex}}
+
+
+def run_of(cfg: dict) -> Run:
+    return Thread.objects.get(thread_id=cfg["configurable"]["thread_id"], checkpoint_ns="").run
+
+
+def postgres_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("on SQLite a saver's calls run one at a time on its own thread")
+
+
+class HeldRun:
+    """Another session holding a run's row (as an operator's action does while it commits):
+    a checkpoint of that run waits for it."""
+
+    def __init__(self, run_id: object) -> None:
+        self.db = connections.create_connection(DEFAULT_DB_ALIAS)
+        self.db.set_autocommit(False)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT 1 FROM durability_run WHERE id = %s FOR UPDATE", [run_id])
+
+    def wait_for_a_waiter(self) -> None:
+        """Until a statement waits for the row."""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                )
+                if cur.fetchone()[0]:
+                    return
+            time.sleep(0.02)
+        raise AssertionError("no statement came to wait for the held row")
+
+    def release(self) -> None:
+        if self.db.connection is not None:
+            self.db.rollback()
+            self.db.close()
+
+
+MORE = {"messages": [HumanMessage("again", id="human-1")], "turns": 0}
+
+
+def test_a_thread_waiting_for_the_database_holds_up_no_other_thread():
+    postgres_only()
+    saver = DurableSaver()
+    ours = graphs.tool_loop().compile(checkpointer=saver)
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    held, held_theirs = config(), config()
+    ours.invoke(graphs.first_input(), held)
+    theirs.invoke(graphs.first_input(), held_theirs)
+    row = HeldRun(run_of(held).id)
+    # Released before the pool's end waits for its threads, whatever fails.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        try:
+            waiting = pool.submit(ours.invoke, MORE, held)
+            row.wait_for_a_waiter()
+            # Another conversation, start to end, while the first one's checkpoint waits.
+            other = pool.submit(ours.invoke, graphs.first_input(), config())
+            assert other.result(timeout=20) == theirs.invoke(graphs.first_input(), config())
+            assert not waiting.done()
+        finally:
+            row.release()
+        assert waiting.result(timeout=20) == theirs.invoke(MORE, held_theirs)
+    (report,) = operations.verify(run_of(held).id)
+    assert report.ok, str(report)
+
+
+def test_calls_wait_for_a_connection_beyond_the_saver_s_connections():
+    postgres_only()
+    saver = DurableSaver(connections=1)
+    ours = graphs.tool_loop().compile(checkpointer=saver)
+    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
+    held = config()
+    ours.invoke(graphs.first_input(), held)
+    row = HeldRun(run_of(held).id)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        try:
+            waiting = pool.submit(ours.invoke, MORE, held)
+            row.wait_for_a_waiter()
+            other = pool.submit(ours.invoke, graphs.first_input(), config())
+            # Its only connection is the waiting checkpoint's.
+            with pytest.raises(FutureTimeout):
+                other.result(timeout=1)
+        finally:
+            row.release()
+        assert other.result(timeout=20) == theirs.invoke(graphs.first_input(), config())
+        waiting.result(timeout=20)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("cached_threads", [2, 100])
+def test_many_conversations_at_once_match_langgraph_s_own_saver(cached_threads):
+    """Conversations with interrupts and resumes, all at once on one saver through
+    LangGraph's async API (remembering all of them, or only two at a time), give what
+    LangGraph's in-memory saver gives, and every run verifies."""
+    ours = graphs.approval().compile(checkpointer=DurableSaver(cached_threads=cached_threads))
+    theirs = graphs.approval().compile(checkpointer=InMemorySaver())
+
+    async def conversation(graph, cfg: dict, amount: int) -> list:
+        first = await graph.ainvoke({"amount": amount, "decision": "", "done": False}, cfg)
+        second = await graph.ainvoke(Command(resume="yes" if amount % 2 else "no"), cfg)
+        states = [s.values async for s in graph.aget_state_history(cfg)]
+        return [first["__interrupt__"][0].value, second, states]
+
+    async def all_of(graph) -> tuple[list, list[dict]]:
+        cfgs = [config() for _ in range(24)]
+        done = await asyncio.gather(
+            *(conversation(graph, cfg, n) for n, cfg in enumerate(cfgs, start=100))
+        )
+        return done, cfgs
+
+    with ThreadPoolExecutor(max_workers=1) as loop:  # Playwright's loop may hold this thread
+        got, cfgs = loop.submit(asyncio.run, all_of(ours)).result()
+        expected, _ = loop.submit(asyncio.run, all_of(theirs)).result()
+    assert got == expected
+    for cfg in cfgs:
+        run = run_of(cfg)
+        assert run.status == "succeeded"
+        (report,) = operations.verify(run.id)
+        assert report.ok, str(report)
+
+
+@pytest.mark.smoke
+def test_connections_must_be_a_whole_number_of_at_least_one():
+    for bad in (0, -1, 1.5, "4", True):
+        with pytest.raises(ValueError, match="connections must be a whole number >= 1"):
+            DurableSaver(connections=bad)
