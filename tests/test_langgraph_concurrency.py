@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from django.db import DEFAULT_DB_ALIAS, connection, connections
@@ -71,51 +74,53 @@ class HeldRun:
 MORE = {"messages": [HumanMessage("again", id="human-1")], "turns": 0}
 
 
-def test_a_thread_waiting_for_the_database_holds_up_no_other_thread():
+def first_turns(saver: DurableSaver) -> tuple[Any, Any, dict, dict]:
+    """A conversation's first turn on ``saver`` and on LangGraph's in-memory saver."""
     postgres_only()
-    saver = DurableSaver()
     ours = graphs.tool_loop().compile(checkpointer=saver)
     theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
     held, held_theirs = config(), config()
     ours.invoke(graphs.first_input(), held)
     theirs.invoke(graphs.first_input(), held_theirs)
-    row = HeldRun(run_of(held).id)
-    # Released before the pool's end waits for its threads, whatever fails.
+    return ours, theirs, held, held_theirs
+
+
+@contextmanager
+def next_turn_waiting(graph: Any, cfg: dict) -> Iterator[tuple[ThreadPoolExecutor, Future]]:
+    """The thread's next turn, on a thread of its own, its checkpoint waiting for the run's
+    row, which is held until the block ends (whatever fails in it: the pool's end waits for
+    its threads)."""
+    row = HeldRun(run_of(cfg).id)
     with ThreadPoolExecutor(max_workers=2) as pool:
         try:
-            waiting = pool.submit(ours.invoke, MORE, held)
+            waiting = pool.submit(graph.invoke, MORE, cfg)
             row.wait_for_a_waiter()
-            # Another conversation, start to end, while the first one's checkpoint waits.
-            other = pool.submit(ours.invoke, graphs.first_input(), config())
-            assert other.result(timeout=20) == theirs.invoke(graphs.first_input(), config())
-            assert not waiting.done()
+            yield pool, waiting
         finally:
             row.release()
-        assert waiting.result(timeout=20) == theirs.invoke(MORE, held_theirs)
+
+
+def test_a_thread_waiting_for_the_database_holds_up_no_other_thread():
+    ours, theirs, held, held_theirs = first_turns(DurableSaver())
+    with next_turn_waiting(ours, held) as (pool, waiting):
+        # Another conversation, start to end, while the first one's checkpoint waits.
+        other = pool.submit(ours.invoke, graphs.first_input(), config())
+        assert other.result(timeout=20) == theirs.invoke(graphs.first_input(), config())
+        assert not waiting.done()
+    assert waiting.result(timeout=20) == theirs.invoke(MORE, held_theirs)
     (report,) = operations.verify(run_of(held).id)
     assert report.ok, str(report)
 
 
 def test_calls_wait_for_a_connection_beyond_the_saver_s_connections():
-    postgres_only()
-    saver = DurableSaver(connections=1)
-    ours = graphs.tool_loop().compile(checkpointer=saver)
-    theirs = graphs.tool_loop().compile(checkpointer=InMemorySaver())
-    held = config()
-    ours.invoke(graphs.first_input(), held)
-    row = HeldRun(run_of(held).id)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        try:
-            waiting = pool.submit(ours.invoke, MORE, held)
-            row.wait_for_a_waiter()
-            other = pool.submit(ours.invoke, graphs.first_input(), config())
-            # Its only connection is the waiting checkpoint's.
-            with pytest.raises(FutureTimeout):
-                other.result(timeout=1)
-        finally:
-            row.release()
-        assert other.result(timeout=20) == theirs.invoke(graphs.first_input(), config())
-        waiting.result(timeout=20)
+    ours, theirs, held, _ = first_turns(DurableSaver(connections=1))
+    with next_turn_waiting(ours, held) as (pool, waiting):
+        other = pool.submit(ours.invoke, graphs.first_input(), config())
+        # Its only connection is the waiting checkpoint's.
+        with pytest.raises(FutureTimeout):
+            other.result(timeout=1)
+    assert other.result(timeout=20) == theirs.invoke(graphs.first_input(), config())
+    waiting.result(timeout=20)
 
 
 @pytest.mark.smoke
