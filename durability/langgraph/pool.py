@@ -2,13 +2,13 @@
 LangGraph thread's calls one at a time.
 
 An asyncio server runs its conversations' graphs at once, and their ``put``, ``put_writes``
-and ``get_tuple`` come to one saver from the threads ``asyncio.to_thread`` uses. On one
-connection behind one lock, every conversation waited for every statement of every other:
-a fresh saver's ``get_tuple`` of a long thread (a rebuild from its snapshot) or a
-checkpoint waiting for a row lock held every superstep of the process. Here each call takes
-a connection of its own for its statement, opening one (up to ``size``) when none is idle,
-and the calls on one thread's namespace wait only for each other: the saver keeps one
-encoder and one last checkpoint per thread, which two calls at once would spoil.
+and ``get_tuple`` come to one saver from the threads ``asyncio.to_thread`` uses. Behind one
+connection and one lock, every conversation would wait for every statement of every other,
+and one slow call (a fresh saver's ``get_tuple`` of a long thread, a checkpoint waiting for a
+row lock) would hold every superstep of the process. So each call takes a connection of its
+own for its statement, opening one (up to ``size``) when none is idle, and the calls on one
+thread's namespace wait only for each other: the saver keeps one encoder and one last
+checkpoint per thread, which two calls at once would spoil.
 """
 
 from __future__ import annotations
