@@ -28,11 +28,6 @@ class Shared:
         self._db: Any = None
         self.drops = 0  # connections found lost and dropped so far
 
-    def run(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
-        """``fn(connection)``, with this connection's lock held."""
-        with self.lock:
-            return self.use(fn, retry=retry)
-
     def use(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
         """``fn(connection)``; the caller holds the lock. A connection found broken after
         an error is dropped (``reconnect.drop``), so the next call connects again; with
