@@ -54,7 +54,10 @@ class Memory:
 
     def encoder(self, pk: int, serde: Any) -> codec.Encoder:
         with self.lock:
-            return self._encoders.setdefault(pk, codec.Encoder(serde))
+            found = self._encoders.get(pk)
+            if found is None:  # made only when missing: this is every checkpoint's path
+                found = self._encoders[pk] = codec.Encoder(serde)
+            return found
 
     def used(self, thread_id: str, ns: str) -> None:
         """The namespace's thread as the most recently used, if it is still known."""
