@@ -34,8 +34,7 @@ STEPS = 200
 ROUNDS = 11
 # A turn of a conversation: the model, a tool, the model again.
 SHORT_STEPS = 3
-# Conversations in flight at once in one process (an asyncio server's), twice the saver's
-# default ``cached_threads``.
+# Conversations in flight at once in one process (an asyncio server's).
 CROWD = 200
 
 

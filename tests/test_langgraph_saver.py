@@ -17,7 +17,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
 from durability import canonical, checkpoints, operations, redact
-from durability.langgraph import DurableSaver, ThreadDeleted, store
+from durability.langgraph import DurableSaver, ThreadDeleted, memory, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run, Snapshot
 from durability.store import langgraph as lg_store
@@ -183,7 +183,7 @@ def test_parallel_branch_failure_keeps_the_other_branch_writes():
 
 def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again(monkeypatch):
     """A process serving many conversations keeps ``cached_threads`` threads' last
-    checkpoints in memory, and ten times as many threads' rows; a thread whose state it
+    checkpoints in memory, and four times as many threads' rows; a thread whose state it
     forgot goes on from the database, as with a saver that never forgot it, without looking
     its row up again; one whose row it forgot too, as well."""
     saver = DurableSaver(cached_threads=2)
@@ -195,16 +195,16 @@ def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again(mo
         assert plain(ours.invoke(start, a)) == plain(theirs.invoke(start, b))
     kept = saver._memory
     states, rows = (kept._last, kept._encoders), (kept._threads, kept._head_seq)
-    assert [len(k) <= 2 for k in states] + [len(k) <= 20 for k in rows] == [True] * 4
+    assert [len(k) <= 2 for k in states] + [len(k) <= 8 for k in rows] == [True] * 4
     made = Thread.objects.count()
-    for a, b in pairs:  # the first four were forgotten whole, the next eighteen in part
+    for a, b in pairs:  # the first sixteen were forgotten whole, the next six in part
         assert ours.invoke(Command(resume="yes"), a) == theirs.invoke(Command(resume="yes"), b)
         assert history(ours, a) == history(theirs, b)
         assert run_of(a).status == "succeeded"
     assert Thread.objects.count() == made
     # A checkpoint put on a thread whose state is forgotten but whose row is known reads the
     # state only; on a thread forgotten whole, the row too.
-    row_known, forgotten = pairs[10][0], pairs[0][0]
+    row_known, forgotten = pairs[18][0], pairs[0][0]
     heads = [DurableSaver().get_tuple(a).config for a in (row_known, forgotten)]
     looked_up = []
     real = store.thread_of
@@ -214,13 +214,46 @@ def test_a_saver_remembers_only_its_recent_threads_and_reads_the_others_again(mo
     for head in heads:
         saver.put(head, empty_checkpoint(), {"source": "update", "step": 99, "parents": {}}, {})
     assert looked_up == [forgotten["configurable"]["thread_id"]]
-    assert [len(k) <= 2 for k in states] + [len(k) <= 20 for k in rows] == [True] * 4
+    assert [len(k) <= 2 for k in states] + [len(k) <= 8 for k in rows] == [True] * 4
+
+
+def test_a_saver_keeps_states_up_to_cached_bytes_and_always_the_one_in_use():
+    """The states kept add up to at most ``cached_bytes`` (as stored), the least recently
+    used dropped first, whatever ``cached_threads`` allows; the thread just used keeps its
+    state even when it alone is larger. Threads whose states were dropped go on from the
+    database, as with a saver that kept them."""
+    probe = DurableSaver()
+    graphs.approval().compile(checkpointer=probe).invoke(
+        {"amount": 1, "decision": "", "done": False}, config()
+    )
+    one = probe._memory._bytes  # one thread's state, as the saver weighs it
+    for budget, most in ((one * 5 // 2, 2), (0, 1)):
+        saver = DurableSaver(cached_threads=100, cached_bytes=budget)
+        ours = graphs.approval().compile(checkpointer=saver)
+        theirs = graphs.approval().compile(checkpointer=InMemorySaver())
+        pairs = [(config(), config()) for _ in range(6)]
+        kept = saver._memory
+        for amount, (a, b) in enumerate(pairs, start=100):
+            start = {"amount": amount, "decision": "", "done": False}
+            assert plain(ours.invoke(start, a)) == plain(theirs.invoke(start, b))
+            assert 1 <= len(kept._last) <= most
+            assert kept._bytes == sum(memory.weight(s) for s in kept._last.values())
+            assert len(kept._last) == 1 or kept._bytes <= budget
+        last = Thread.objects.get(thread_id=pairs[-1][0]["configurable"]["thread_id"])
+        assert list(kept._last)[-1] == last.pk
+        for a, b in pairs:
+            assert ours.invoke(Command(resume="yes"), a) == theirs.invoke(Command(resume="yes"), b)
+            assert history(ours, a) == history(theirs, b)
+            assert len(kept._last) <= most
 
 
 def test_cached_threads_must_be_a_whole_number_of_at_least_one():
     for bad in (0, -1, 1.5, "10", True):
         with pytest.raises(ValueError, match="cached_threads must be a whole number >= 1"):
             DurableSaver(cached_threads=bad)
+    for bad in (-1, 1.5, "10", True, None):
+        with pytest.raises(ValueError, match="cached_bytes must be a whole number >= 0"):
+            DurableSaver(cached_bytes=bad)
 
 
 def test_a_new_saver_continues_from_the_last_checkpoint():

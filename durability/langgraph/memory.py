@@ -3,9 +3,10 @@ threads its calls come on at once.
 
 Per thread (its namespace's row): the last checkpoint stored or read (the next one is a
 patch on it), the run's last known checkpoint number, and the encoder that remembers the
-messages it encoded; those of the ``cached_threads`` threads used last. The rows
-themselves are remembered for ten times as many (``IDENTITIES``). A thread forgotten is read
-again from the database when it comes back.
+messages it encoded; those of the threads used last, at most ``cached_threads`` of them
+and at most ``cached_bytes`` of state (as stored: canonical JSON) between them. The rows
+themselves are remembered for ``IDENTITIES`` times as many threads. A thread forgotten is
+read again from the database when it comes back.
 """
 
 from __future__ import annotations
@@ -18,24 +19,38 @@ from durability.langgraph import codec, status
 from durability.langgraph.latest import Stored
 from durability.langgraph.models import Thread
 
-# Threads whose rows a saver knows, per thread whose state it keeps (``cached_threads``): a
-# row is a few KB, and finding one again goes through the saver's own thread, one at a time
-# (200 conversations at once on the default of 100, rows forgotten with states: 2.7 s).
-IDENTITIES = 10
+# Threads whose rows a saver knows, per thread whose state it may keep (``cached_threads``):
+# a row (the thread's and its run's) is about 5 KB, and finding one again goes through the
+# saver's own thread, one at a time (200 conversations at once, 100 states kept and their
+# rows forgotten with them: 2.7 s). A thread whose state the byte bound dropped keeps its row.
+IDENTITIES = 4
+
+
+def weight(stored: Stored) -> int:
+    """What a kept checkpoint counts against ``cached_bytes``: its state's canonical
+    length, and its bytes too when it holds them (a checkpoint with a snapshot). The
+    process holds about two to three times that: the state's objects, and the messages
+    its encoder keeps (measured: 518 KB for a 216 KB state, 29 KB for a 3.6 KB one)."""
+    return stored.size + (len(stored.data) if stored.data is not None else 0)
 
 
 class Memory:
     """The maps, each change under ``lock`` (held by the caller too where it reads and
     then changes; never through a statement)."""
 
-    def __init__(self, cached_threads: int, reporter: status.Reporter) -> None:
+    def __init__(self, cached_threads: int, cached_bytes: int, reporter: status.Reporter) -> None:
         self.cached_threads = cached_threads
+        self.cached_bytes = cached_bytes
         self.lock = threading.RLock()
         self._reporter = reporter
         # The threads used last, least recent first (``remember``).
         self._threads: OrderedDict[tuple[str, str], Thread] = OrderedDict()
         # By thread row: least recent first (``keep``).
         self._last: OrderedDict[int, Stored] = OrderedDict()
+        # Each kept checkpoint's ``weight`` as it was kept (its bytes may be made later,
+        # ``store.exact_patch``), and their sum.
+        self._weights: dict[int, int] = {}
+        self._bytes = 0
         self._head_seq: dict[int, int] = {}
         self._encoders: dict[int, codec.Encoder] = {}
         # Namespaces ``get_tuple`` found no checkpoint in (``note_absent``).
@@ -85,26 +100,28 @@ class Memory:
             while len(self._threads) > bound:
                 self._threads.popitem(last=False)
             live = {t.pk for t in self._threads.values()}
-            gone: set[int] = set()
-            for cache in (self._last, self._head_seq, self._encoders):
-                for pk in [pk for pk in cache if pk not in live]:
-                    cache.pop(pk, None)
-                    gone.add(pk)
+            gone = {pk for pk in (*self._last, *self._head_seq, *self._encoders) if pk not in live}
+            for pk in gone:
+                self._drop(pk)
             self._reporter.forget(gone)
 
     def keep(self, pk: int, stored: Stored, head_seq: int | None = None) -> None:
         """``stored`` as thread row ``pk``'s last checkpoint, the most recent (and its run's
-        number, if given); the states of those beyond ``cached_threads`` dropped, least
-        recent first (their threads are still known: the next call on one reads its
-        state, not its row)."""
+        number, if given); the states of the least recent dropped while they are more than
+        ``cached_threads`` or add up to more than ``cached_bytes`` (their threads are still
+        known: the next call on one reads its state, not its row). The one just kept stays
+        whatever its size: its thread's next checkpoint is a patch on it."""
         with self.lock:
+            self._bytes += weight(stored) - self._weights.get(pk, 0)
+            self._weights[pk] = weight(stored)
             self._last[pk] = stored
             self._last.move_to_end(pk)
             if head_seq is not None:
                 self._head_seq[pk] = head_seq
-            while len(self._last) > self.cached_threads:
-                old, _ = self._last.popitem(last=False)
-                self._encoders.pop(old, None)
+            while len(self._last) > 1 and (
+                len(self._last) > self.cached_threads or self._bytes > self.cached_bytes
+            ):
+                self._drop_state(next(iter(self._last)))
 
     def saw_head(self, pk: int, head_seq: int) -> None:
         """The run of thread row ``pk`` has at least ``head_seq`` checkpoints."""
@@ -115,14 +132,12 @@ class Memory:
         """Whether the thread row's last checkpoint was stored is unknown: its head is read
         again, and its messages encoded again, next time."""
         with self.lock:
-            self._last.pop(pk, None)
-            self._encoders.pop(pk, None)
+            self._drop_state(pk)
 
     def forget(self, thread: Thread) -> None:
         with self.lock:
             self._threads.pop((thread.thread_id, thread.checkpoint_ns), None)
-            for cache in (self._last, self._head_seq, self._encoders):
-                cache.pop(thread.pk, None)
+            self._drop(thread.pk)
         self._reporter.forget({thread.pk})
 
     def note_absent(self, thread_id: str, ns: str) -> None:
@@ -139,3 +154,14 @@ class Memory:
             absent = (thread_id, ns) in self._absent
             self._absent.discard((thread_id, ns))
             return absent
+
+    def _drop_state(self, pk: int) -> None:
+        """Forget the thread row's last checkpoint and encoder (under ``lock``)."""
+        self._last.pop(pk, None)
+        self._bytes -= self._weights.pop(pk, 0)
+        self._encoders.pop(pk, None)
+
+    def _drop(self, pk: int) -> None:
+        """Forget all but the row of thread row ``pk`` (under ``lock``)."""
+        self._drop_state(pk)
+        self._head_seq.pop(pk, None)

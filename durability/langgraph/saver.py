@@ -12,11 +12,11 @@ calls at once, those on one thread's namespace one at a time. The rest (a new th
 the event loop. A read finding its connection lost connects again and retries once.
 
 A saver remembers, per thread, the last checkpoint it stored or read (the next one is a
-patch on it) and the messages it encoded, for the ``cached_threads`` threads it used last,
-and the rows of ten times as many (``memory``): a process serving many conversations keeps
-its memory bounded, and a thread it forgot is read again from the database when it comes
-back. What the saver costs per superstep against LangGraph's PostgresSaver, and why, is in
-docs/performance.md.
+patch on it) and the messages it encoded, for the threads it used last (at most
+``cached_threads`` of them and ``cached_bytes`` of their states), and the rows of more
+(``memory``): a process serving many conversations keeps its memory bounded, and a thread
+it forgot is read again from the database when it comes back. What the saver costs per
+superstep against LangGraph's PostgresSaver, and why, is in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
     ``durability``: ``"strict"`` flushes each checkpoint to disk before ``put`` returns;
     ``"relaxed"`` does not wait for the flush (a database crash may lose the last fraction
     of a second of checkpoints, never corrupting them), as the product's levels do.
-    ``cached_threads``: how many threads' last checkpoints are kept in memory (see the
-    module's docstring). ``connections``: how many database connections its calls on
-    PostgreSQL use at most, opened as calls need them (calls on as many threads run at
-    once; more wait for a connection)."""
+    ``cached_threads``: at most how many threads' last checkpoints are kept in memory;
+    ``cached_bytes``: at most how many bytes of state (as stored, JSON) they hold between
+    them, the least recently used dropped first (see the module's docstring).
+    ``connections``: how many database connections its calls on PostgreSQL use at most,
+    opened as calls need them (calls on as many threads run at once; more wait for a
+    connection)."""
 
     def __init__(
         self,
@@ -87,7 +89,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
         graph: str = "agent",
         durability: str = "strict",
         serde: SerializerProtocol | None = None,
-        cached_threads: int = 100,
+        cached_threads: int = 1000,
+        cached_bytes: int = 32 * 2**20,
         connections: int = 4,
     ) -> None:
         super().__init__(serde=serde)
@@ -97,16 +100,19 @@ class DurableSaver(BaseCheckpointSaver[int]):
             raise ValueError(f"durability must be 'strict' or 'relaxed', not {durability!r}")
         if type(cached_threads) is not int or cached_threads < 1:
             raise ValueError(f"cached_threads must be a whole number >= 1, not {cached_threads!r}")
+        if type(cached_bytes) is not int or cached_bytes < 0:
+            raise ValueError(f"cached_bytes must be a whole number >= 0, not {cached_bytes!r}")
         if type(connections) is not int or connections < 1:
             raise ValueError(f"connections must be a whole number >= 1, not {connections!r}")
         self.graph = graph
         self.durability = durability
         self.cached_threads = cached_threads
+        self.cached_bytes = cached_bytes
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-saver")
         self._worker_thread: threading.Thread | None = None
         self._snapshots = checkpoints.SnapshotWriter()
         self._status = status.Reporter()
-        self._memory = memory.Memory(cached_threads, self._status)
+        self._memory = memory.Memory(cached_threads, cached_bytes, self._status)
         # PostgreSQL: the connections of the calls made at every superstep (see the
         # module's docstring).
         self._fast = lg_store.for_connection(connection).one_statement
