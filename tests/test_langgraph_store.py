@@ -82,6 +82,12 @@ def test_a_new_thread_is_made_all_at_once_as_the_orm_makes_it():
     }
     (report,) = operations.verify(one.run_id)
     assert report.ok, str(report)
+    if connection.vendor == "postgresql":
+        # Its statement does not wait for the flush, and only its own transaction: the
+        # thread's first checkpoint, next on this connection, must.
+        with connection.cursor() as cur:
+            cur.execute("SHOW synchronous_commit")
+            assert cur.fetchone()[0] == "on"
     one.run.save()  # the instances it made are stored ones: saved again, they are updated
     one.save()
     # Again: the thread is found, and nothing is made.

@@ -6,8 +6,9 @@ verifiable with ``durability verify``.
 
 On PostgreSQL, ``put``, ``put_writes`` and ``get_tuple`` run on the thread LangGraph calls
 from, one statement each, on connections the saver owns (``pool``): up to ``connections``
-calls at once, those on one thread's namespace one at a time. The rest (a new thread's run,
-``list``, deleting, all of SQLite) runs on the saver's own thread and connection.
+calls at once, those on one thread's namespace one at a time; a new conversation's thread
+is made there too, when ``get_tuple`` has just found it missing. The rest (a subgraph's new
+run, ``list``, deleting, all of SQLite) runs on the saver's own thread and connection.
 ``close()``, garbage collection and exit close them. Async methods run the sync ones off
 the event loop. A read finding its connection lost connects again and retries once.
 
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
 from typing import Any, TypeVar, cast
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, IntegrityError, connection
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -519,21 +520,46 @@ class DurableSaver(BaseCheckpointSaver[int]):
             )
             if thread is None:
                 return None
-            mem.remember(thread, thread.run.head_seq)
-            if start is not None:
-                mem.keep(thread.pk, start)
-            self._status.known(thread)
+            self._adopt(thread, start)
         return thread
 
+    def _adopt(self, thread: Thread, start: latest.Stored | None) -> None:
+        """Remember a thread found or made (``start``: its first checkpoint, if made)."""
+        self._memory.remember(thread, thread.run.head_seq)
+        if start is not None:
+            self._memory.keep(thread.pk, start)
+        self._status.known(thread)
+
     def _known(self, thread_id: str, ns: str) -> Thread:
-        """The namespace's thread, made if new (on the saver's thread, which takes no
-        thread's lock: never with one held)."""
-        thread = self._memory.thread(thread_id, ns)
-        if thread is None:
-            thread = self._call(lambda: self._thread(thread_id, ns, create=True))
-            assert thread is not None
-        else:
-            self._memory.used(thread_id, ns)
+        """The namespace's thread, made if new. One call makes it; the thread's other calls
+        meanwhile (``put_writes`` with the first ``put``) wait on its lock, then find it."""
+        mem = self._memory
+        thread = mem.thread(thread_id, ns)
+        if thread is not None:
+            mem.used(thread_id, ns)
+            return thread
+        with self._pool.thread(thread_id, ns):
+            thread = mem.thread(thread_id, ns)
+            if thread is None and self._fast and not ns and mem.take_absent(thread_id, ns):
+                thread = self._make(thread_id)
+            if thread is None:
+                # On the saver's thread, which takes no thread's lock: waited for with one.
+                thread = self._call(lambda: self._thread(thread_id, ns, create=True))
+        assert thread is not None
+        return thread
+
+    def _make(self, thread_id: str) -> Thread | None:
+        """A new conversation's thread, made on the caller's thread and one of the saver's
+        connections, without looking it up first: this saver's ``get_tuple`` just found
+        nothing there. (Not a subgraph's namespace: its run is a child of its parent's,
+        which the saver's thread looks up.) None if another process made it meanwhile."""
+        try:
+            thread, start = self._pool.run(
+                lambda db: store.new_thread(thread_id, "", graph=self.graph, parent=None, db=db)
+            )
+        except IntegrityError:
+            return None
+        self._adopt(thread, start)
         return thread
 
     def _parent(self, db: Any, thread: Thread, parent_id: str) -> latest.Stored:

@@ -8,7 +8,8 @@ checkpoint's number; elsewhere, the ORM in one transaction. Pending writes are a
 of their own that does not wait for the WAL flush: the checkpoint after them does, and
 flushing it flushes them; a database crash in between costs a task re-run, which LangGraph
 does for any task without writes. A new thread (its run, the run's empty first checkpoint,
-its event, its thread row) is one statement on PostgreSQL too, all or none. The statements
+its event, its thread row) is one statement on PostgreSQL too, all or none, not flushed
+before answering either: its first checkpoint's flush, next, covers it. The statements
 are the store's (``durability.store.langgraph``); this module makes what they write.
 """
 
@@ -64,6 +65,23 @@ def thread_of(
     parent = None
     if ns:
         parent, _ = thread_of(thread_id, ns.rpartition("|")[0], graph=graph, create=True)
+    try:
+        return new_thread(thread_id, ns, graph=graph, parent=parent, db=connection)
+    except Exception:
+        # Another process made it first (the unique thread and namespace).
+        thread = found.first()
+        if thread is None:
+            raise
+        return thread, None
+
+
+def new_thread(
+    thread_id: str, ns: str, *, graph: str, parent: Thread | None, db: Any
+) -> tuple[Thread, Stored]:
+    """Make the namespace's thread row, its run (a child of ``parent``'s, a subgraph's) and
+    the run's empty first checkpoint, on the connection ``db``, all or none; and that
+    checkpoint (the parent of the thread's first ``put``). ``IntegrityError`` if another
+    process made the thread first."""
     run = Run(
         agent=graph,
         agent_version=AGENT_VERSION,
@@ -97,14 +115,7 @@ def thread_of(
         ).decode(),
     )
     thread = Thread(thread_id=thread_id, checkpoint_ns=ns, run=run)
-    try:
-        start_id = lg_store.for_connection(connection).make_thread(run, start, created, thread)
-    except Exception:
-        # Another process made it first (the unique thread and namespace).
-        thread = found.first()
-        if thread is None:
-            raise
-        return thread, None
+    start_id = lg_store.for_connection(db).make_thread(run, start, created, thread)
     return thread, first(start_id, start["state_hash"], start["chain_hash"], start["size"])
 
 

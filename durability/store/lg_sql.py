@@ -289,10 +289,16 @@ def new_thread(
     """One statement that inserts a new thread's run, its first checkpoint (with its
     mutation and snapshot rows) and the unsaved rows ``rest`` (its event, its thread row,
     whose ids the database numbers); it answers the checkpoint's id and the last row's.
-    The thread's uniqueness fails the whole statement if another process made it first."""
-    parts, params = [], {}
+    The thread's uniqueness fails the whole statement if another process made it first.
+
+    It does not wait for the WAL flush: the thread's first checkpoint, which its ``put``
+    stores next, does (unless the saver is relaxed), and the WAL is flushed in order, so
+    that flush covers the thread too; until then nothing refers to the thread, and a
+    database crash in between loses an empty thread, which the graph's next ``put`` makes
+    again."""
+    parts, params = ["cfg AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"], {}
     for prefix, obj, refs, joined, tail in (
-        ("r", run, {}, "", ""),
+        ("r", run, {}, "cfg", ""),
         ("c", start, {}, "", " RETURNING id"),
         ("m", mutation, {"checkpoint_id": "c.id"}, "c", ""),
         ("s", snapshot, {"checkpoint_id": "c.id"}, "c", ""),
