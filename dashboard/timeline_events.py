@@ -61,6 +61,10 @@ def _checkpoint(item: Item, e: Event, d: dict) -> None:
 
 def _created(item: Item, e: Event, d: dict) -> None:
     item.detail = f"{d.get('agent', '')}@{d.get('version', '')}"
+    copied = d.get("copied_from")
+    if isinstance(copied, dict):  # a LangGraph thread's copy (``copy_thread``)
+        item.facts.append(("copied from thread", str(copied.get("thread_id", ""))))
+        item.link_run = str(copied.get("run", ""))
 
 
 def _claimed(item: Item, e: Event, d: dict) -> None:

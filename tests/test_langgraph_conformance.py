@@ -1,8 +1,7 @@
 """LangGraph's own conformance suite for checkpointers (``langgraph-checkpoint-conformance``)
-against ``DurableSaver``: every capability it checks that the saver implements passes
-(``put``, ``put_writes``, ``get_tuple``, ``list``, ``delete_thread``, ``prune``), on
-PostgreSQL and on the embedded default. ``copy_thread`` and ``delete_for_runs`` are left
-to the base class, as LangGraph's own savers leave them, so the suite skips them."""
+against ``DurableSaver``: every capability it checks passes (``put``, ``put_writes``,
+``get_tuple``, ``list``, ``delete_thread``, ``prune``, ``copy_thread``,
+``delete_for_runs``), on PostgreSQL and on the embedded default."""
 
 from __future__ import annotations
 
@@ -29,5 +28,14 @@ def test_langgraphs_conformance_suite_passes():
     assert report.passed_all(), failures
     assert report.passed_all_base()
     checked = {name for name, result in report.results.items() if result.passed}
-    assert checked == {"put", "put_writes", "get_tuple", "list", "delete_thread", "prune"}
+    assert checked == {
+        "put",
+        "put_writes",
+        "get_tuple",
+        "list",
+        "delete_thread",
+        "prune",
+        "copy_thread",
+        "delete_for_runs",
+    }
     assert report.conformance_level() == "FULL"

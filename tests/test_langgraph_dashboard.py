@@ -22,6 +22,7 @@ from langgraph.types import Command
 from playwright.sync_api import expect
 
 from durability.langgraph import DurableSaver
+from durability.langgraph.models import Thread
 from durability.langgraph.runs import BADGE
 from durability.models import Event, Run
 from examples import langgraph_support
@@ -122,6 +123,26 @@ def test_the_page_follows_the_graph_answered_in_its_process(web):
     expect(page.locator("#graph-interrupt")).to_have_count(0)
     expect(page.locator("#timeline-items")).to_contain_text("reached its end")
     expect(page.locator("#timeline-items")).to_contain_text("answered")
+
+
+def test_a_copied_thread_waits_where_its_source_did_and_says_where_it_came_from(web):
+    source = interrupted_here("support-45")
+    saver = DurableSaver(graph="support-graph")
+    saver.copy_thread("support-45", "support-45-copy")
+    saver.close()
+    copy = Thread.objects.get(thread_id="support-45-copy", checkpoint_ns="").run
+    page = web.sign_in("olive")
+    page.goto(f"{web.base}/runs/{copy.id}/")
+    expect(page.locator("#run-graph")).to_have_text(BADGE)
+    expect(page.locator("#run-status")).to_have_text("waiting")
+    expect(page.locator("#graph-interrupt")).to_contain_text(
+        'Waiting for an answer to: {"tool": "refund"'
+    )
+    expect(page.locator("#graph-resume")).to_contain_text('{"thread_id": "support-45-copy"}')
+    timeline = page.locator("#timeline-items")
+    expect(timeline).to_contain_text("copied from thread")
+    expect(timeline.locator(f"a[href='/runs/{source.id}/']")).to_have_count(1)
+    expect(timeline).to_contain_text("model wrote messages → tools")
 
 
 def test_a_direct_post_of_a_worker_action_is_refused_and_changes_nothing(users):

@@ -1,8 +1,8 @@
 """LangGraph's delta channels (``DeltaChannel``, beta in LangGraph) with ``DurableSaver``: the
 same results and history as ``InMemorySaver``; ``get_delta_channel_history`` answers what
 LangGraph's default answers through ``get_tuple`` (``durability.langgraph.delta``); and
-``keep_latest`` pruning, which would cut such a thread off what it is rebuilt from, is
-refused."""
+``keep_latest`` pruning and ``delete_for_runs``, which would cut such a thread off what it
+is rebuilt from, are refused."""
 
 from __future__ import annotations
 
@@ -138,6 +138,13 @@ def test_keep_latest_refuses_threads_with_delta_channels_and_changes_nothing():
     ids = [plain["configurable"]["thread_id"], with_delta["configurable"]["thread_id"]]
     with pytest.raises(NotImplementedError, match=f"DeltaChannel.*{ids[1]}.*nothing was pruned"):
         saver.prune(ids)
+    assert (SavedCheckpoint.objects.count(), PendingWrite.objects.count()) == before
+    # Nor are an invocation's checkpoints taken out of such a thread (``delete_for_runs``).
+    delta_graph.invoke(first(), {**with_delta, "metadata": {"run_id": "delta-turn"}})
+    before = (SavedCheckpoint.objects.count(), PendingWrite.objects.count())
+    values = delta_graph.get_state(with_delta).values
+    with pytest.raises(NotImplementedError, match=f"DeltaChannel.*{ids[1]}.*nothing was deleted"):
+        saver.delete_for_runs(["delta-turn"])
     assert (SavedCheckpoint.objects.count(), PendingWrite.objects.count()) == before
     assert delta_graph.get_state(with_delta).values == values
     # A thread without one is pruned as before; ``delete`` takes either.

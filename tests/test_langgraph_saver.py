@@ -156,6 +156,90 @@ def test_subgraph_namespaces_are_child_runs():
         assert report.ok, str(report)
 
 
+def test_copy_thread_copies_every_namespace_and_the_copies_go_on_apart():
+    """``copy_thread`` makes a thread's whole history again under a new thread id (every
+    namespace, the pending writes, LangGraph's ids): the copy's history is the source's,
+    each of its runs verifies on its own, and the two threads go on apart, as two threads
+    with the same history do on ``InMemorySaver``. A target that exists, or the source
+    itself, is refused and nothing changes; a source with nothing copies nothing."""
+    ours, theirs = both(graphs.with_subgraph())
+    saver = ours.checkpointer
+    a, b, twin = config(), config(), config()
+    assert plain(ours.invoke({"log": []}, a)) == plain(theirs.invoke({"log": []}, b))
+    theirs.invoke({"log": []}, twin)
+    copy = config()
+    source_id, copy_id = a["configurable"]["thread_id"], copy["configurable"]["thread_id"]
+    saver.copy_thread(source_id, copy_id)
+    assert history(ours, copy) == history(ours, a)
+    assert [t.checkpoint["id"] for t in saver.list(copy)] == [
+        t.checkpoint["id"] for t in saver.list(a)
+    ]
+    assert saver.get_tuple(copy).pending_writes == saver.get_tuple(a).pending_writes
+    assert ours.invoke(Command(resume="blue"), a) == theirs.invoke(Command(resume="blue"), b)
+    assert ours.invoke(Command(resume="red"), copy) == theirs.invoke(Command(resume="red"), twin)
+    assert history(ours, a) == history(theirs, b)
+    assert history(ours, copy) == history(theirs, twin)
+    root = run_of(copy)
+    children = list(Run.objects.filter(parent_run=root))
+    assert children and all(c.langgraph_thread.thread_id == copy_id for c in children)
+    assert root.pk != run_of(a).pk
+    for run in [root, *children]:
+        (report,) = operations.verify(run.id)
+        assert report.ok, str(report)
+    counts = (Run.objects.count(), Checkpoint.objects.count(), PendingWrite.objects.count())
+    with pytest.raises(ValueError, match="exists already; nothing was copied"):
+        saver.copy_thread(source_id, copy_id)
+    with pytest.raises(ValueError, match="the source and the target are one thread"):
+        saver.copy_thread(source_id, source_id)
+    saver.copy_thread("never-stored", "nor-this")
+    assert (Run.objects.count(), Checkpoint.objects.count(), PendingWrite.objects.count()) == (
+        counts
+    )
+    assert saver.get_tuple(config("nor-this")) is None
+
+
+def test_delete_for_runs_takes_an_invocation_out_and_the_thread_goes_on_before_it():
+    """``delete_for_runs`` takes the checkpoints one invocation wrote (LangGraph's run id,
+    in the config's metadata) and their pending writes out of what LangGraph reads: the
+    thread's history is as before that invocation, and the next one goes on from there,
+    as on ``InMemorySaver`` without it. The runs keep their history and verify. Bad input,
+    and threads with a delta channel, are refused and nothing changes."""
+    ours, theirs = both(graphs.tool_loop())
+    saver = ours.checkpointer
+    a, b = config(), config()
+
+    def turn(cfg: dict, run_id: str, text: str) -> dict:
+        more = {"messages": [graphs.HumanMessage(text, id=f"human-{run_id}")], "turns": 0}
+        return {**cfg, "metadata": {"run_id": run_id}}, more
+
+    first = {**a, "metadata": {"run_id": "turn-1"}}
+    assert ours.invoke(graphs.first_input(), first) == theirs.invoke(graphs.first_input(), b)
+    after_first = history(ours, a)
+    cfg, more = turn(a, "turn-2", "again")
+    ours.invoke(more, cfg)
+    assert len(history(ours, a)) > len(after_first)
+    stored = [t.config for t in saver.list(a) if t.metadata.get("run_id") == "turn-2"]
+    saver.delete_for_runs(["turn-2"])
+    assert history(ours, a) == after_first
+    assert saver.get_tuple(stored[0]) is None
+    assert all(t.metadata.get("run_id") != "turn-2" for t in saver.list(a))
+    assert not PendingWrite.objects.filter(
+        checkpoint_id__in=[c["configurable"]["checkpoint_id"] for c in stored]
+    ).exists()
+    # The next invocation goes on from the end of the first, as without the second.
+    cfg, more = turn(a, "turn-3", "and then?")
+    assert ours.invoke(more, cfg) == theirs.invoke(more, b)
+    assert history(ours, a) == history(theirs, b)
+    (report,) = operations.verify(run_of(a).id)
+    assert report.ok, str(report)
+    counts = (SavedCheckpoint.objects.count(), PendingWrite.objects.count())
+    saver.delete_for_runs([])
+    saver.delete_for_runs(["no-such-run"])
+    with pytest.raises(TypeError, match="not one string"):
+        saver.delete_for_runs("turn-3")
+    assert (SavedCheckpoint.objects.count(), PendingWrite.objects.count()) == counts
+
+
 def test_parallel_branch_failure_keeps_the_other_branch_writes():
     outcomes = []
     for saver in (DurableSaver(), InMemorySaver()):
@@ -391,8 +475,6 @@ def test_prune_keep_latest_and_bad_input():
         DurableSaver(graph="")
     with pytest.raises(ValueError, match="durability must be 'strict' or 'relaxed'"):
         DurableSaver(durability="sync")
-    with pytest.raises(NotImplementedError):
-        saver.copy_thread("a", "b")
 
 
 def test_appending_a_message_stores_about_one_message():

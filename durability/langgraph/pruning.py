@@ -1,6 +1,8 @@
-"""Deleting a LangGraph thread's runs, and LangGraph's ``keep_latest`` pruning, which hides
-all but each namespace's latest checkpoint from LangGraph while the store keeps the runs'
-history until retention compacts it."""
+"""Deleting a LangGraph thread's runs; LangGraph's ``keep_latest`` pruning, which hides all
+but each namespace's latest checkpoint from LangGraph, and ``delete_for_runs``, which hides
+the checkpoints of some of its invocations, while the store keeps the runs' history until
+retention compacts it (a thread's states are patches on their parents: a checkpoint taken
+out of the middle of a chain would leave its children nothing to be rebuilt from)."""
 
 from __future__ import annotations
 
@@ -54,3 +56,30 @@ def prune(thread_ids: Sequence[str], strategy: str) -> list[Thread]:
                     checkpoint_id=latest.lg_id
                 ).delete()
     return []
+
+
+def delete_for_runs(run_ids: Sequence[str]) -> list[Thread]:
+    """LangGraph's ``delete_for_runs``: the checkpoints whose metadata names one of
+    ``run_ids`` (LangGraph's run id of the invocation that wrote them) and their pending
+    writes, gone from what LangGraph reads (``get_tuple``, ``list``, the history); the
+    threads they were in. Bad input, and threads with a delta channel (whose values are
+    rebuilt from the writes of older checkpoints), are refused before anything changes."""
+    if isinstance(run_ids, str):
+        raise TypeError("run_ids must be a sequence of run ids, not one string")
+    ids = [str(r) for r in run_ids]
+    if not ids:
+        return []
+    with transaction.atomic():
+        rows = SavedCheckpoint.objects.filter(metadata__run_id__in=ids)
+        threads = list(Thread.objects.filter(pk__in=rows.values("thread_id")))
+        if refused := delta.uses({t.thread_id for t in threads}):
+            raise NotImplementedError(
+                "delete_for_runs can't take checkpoints out of threads that use a"
+                f" DeltaChannel (their values are rebuilt from older checkpoints' writes):"
+                f" {', '.join(refused)}; nothing was deleted. delete_thread deletes such a"
+                " thread whole."
+            )
+        for thread_pk, lg_id in rows.values_list("thread_id", "lg_id"):
+            PendingWrite.objects.filter(thread_id=thread_pk, checkpoint_id=lg_id).delete()
+        rows.delete()
+    return threads

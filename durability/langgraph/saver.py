@@ -48,6 +48,7 @@ from langgraph.checkpoint.base import (
 from durability import canonical, checkpoints
 from durability.langgraph import (
     codec,
+    copying,
     delta,
     latest,
     lifetime,
@@ -343,6 +344,14 @@ class DurableSaver(BaseCheckpointSaver[int]):
         for thread in pruning.prune(thread_ids, strategy):
             self._memory.forget(thread)
 
+    def _delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        for thread in pruning.delete_for_runs(run_ids):
+            self._memory.forget(thread)
+
+    def _copy_thread(self, source: str, target: str) -> None:
+        for thread in copying.copy_thread(source, target, graph=self.graph):
+            self._memory.take_absent(thread.thread_id, thread.checkpoint_ns)  # found now
+
     # --- LangGraph's delta channels --------------------------------------------------------
 
     def get_delta_channel_history(
@@ -364,11 +373,6 @@ class DurableSaver(BaseCheckpointSaver[int]):
         if thread is None:
             return {ch: {"writes": []} for ch in channels}
         return delta.history(thread, get_checkpoint_id(config) or "", channels, self.serde)
-
-    # ``delete_for_runs`` and ``copy_thread`` are left to the base class, which refuses
-    # them, as LangGraph's own savers do: tools that check a saver (LangGraph's conformance
-    # suite) take a method it overrides for one it supports. A thread is deleted whole
-    # (``delete_thread``); a run is forked from any checkpoint (``durability fork``).
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -409,6 +413,17 @@ class DurableSaver(BaseCheckpointSaver[int]):
         does, until retention (``durability prune``) compacts it."""
         self._call(self._prune, thread_ids, strategy)
 
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Take the checkpoints LangGraph's invocations ``run_ids`` wrote, and their pending
+        writes, out of LangGraph's view (``pruning``); the store keeps the runs' history, as
+        ``prune`` does, until retention compacts it."""
+        self._call(self._delete_for_runs, run_ids)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy a thread's whole history, every namespace, into a new thread (``copying``);
+        a target that exists is refused (``ValueError``), nothing copied."""
+        self._call(self._copy_thread, source_thread_id, target_thread_id)
+
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         return await asyncio.to_thread(self.get_tuple, config)
 
@@ -446,6 +461,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         await self._acall(self._prune, thread_ids, strategy)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        await self._acall(self._delete_for_runs, run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        await self._acall(self._copy_thread, source_thread_id, target_thread_id)
 
     # --- helpers -------------------------------------------------------------------------
 
