@@ -38,6 +38,10 @@ def copy_thread(source: str, target: str, *, graph: str) -> list[Thread]:
     if source == target:
         raise ValueError(f"copy_thread: the source and the target are one thread ({source!r})")
     with transaction.atomic():
+        # The source's runs locked first (in one order): a checkpoint stored meanwhile (its
+        # statement updates its run) waits for the copy, which reads the thread as one.
+        runs = Thread.objects.filter(thread_id=source).values("run_id")
+        list(Run.objects.select_for_update().filter(pk__in=runs).order_by("pk"))
         rows = list(Thread.objects.select_related("run").filter(thread_id=source))
         if not rows:
             return []
