@@ -161,3 +161,32 @@ def test_connections_must_be_a_whole_number_of_at_least_one():
     for bad in (0, -1, 1.5, "4", True):
         with pytest.raises(ValueError, match="connections must be a whole number >= 1"):
             DurableSaver(connections=bad)
+
+
+def test_a_copy_waits_for_a_checkpoint_being_stored_on_its_source():
+    """``copy_thread`` locks the source's runs before reading it: while another session
+    holds the source's run (a checkpoint's statement does, until it commits), the copy waits,
+    and once it is let go the copy has every checkpoint and verifies."""
+    postgres_only()
+    saver = DurableSaver()
+    graph = graphs.tool_loop().compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke(graphs.first_input(), cfg)
+    held = HeldRun(run_of(cfg).id)
+    copy = config()
+    source_id, copy_id = cfg["configurable"]["thread_id"], copy["configurable"]["thread_id"]
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            copying = pool.submit(saver.copy_thread, source_id, copy_id)
+            held.wait_for_a_waiter()
+            with pytest.raises(FutureTimeout):
+                copying.result(timeout=0.3)
+        finally:
+            held.release()
+        copying.result(timeout=30)
+    assert [t.checkpoint["id"] for t in saver.list(copy)] == [
+        t.checkpoint["id"] for t in saver.list(cfg)
+    ]
+    (report,) = operations.verify(run_of(copy).id)
+    assert report.ok, str(report)
+    saver.close()
