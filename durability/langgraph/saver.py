@@ -350,7 +350,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
 
     def _copy_thread(self, source: str, target: str) -> None:
         for thread in copying.copy_thread(source, target, graph=self.graph):
-            self._memory.take_absent(thread.thread_id, thread.checkpoint_ns)  # found now
+            # What was remembered of the target (read missing, deleted elsewhere): read again.
+            self._memory.forget(thread)
+            self._memory.take_absent(thread.thread_id, thread.checkpoint_ns)
 
     # --- LangGraph's delta channels --------------------------------------------------------
 
@@ -414,14 +416,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._call(self._prune, thread_ids, strategy)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
-        """Take the checkpoints LangGraph's invocations ``run_ids`` wrote, and their pending
-        writes, out of LangGraph's view (``pruning``); the store keeps the runs' history, as
-        ``prune`` does, until retention compacts it."""
+        """Take the checkpoints (and their writes) of LangGraph's runs ``run_ids`` out of
+        LangGraph's view; the store keeps their history, as ``prune`` does (``pruning``)."""
         self._call(self._delete_for_runs, run_ids)
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """Copy a thread's whole history, every namespace, into a new thread (``copying``);
-        a target that exists is refused (``ValueError``), nothing copied."""
+        """Copy a thread's whole history into a new thread (``copying``)."""
         self._call(self._copy_thread, source_thread_id, target_thread_id)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
