@@ -12,7 +12,6 @@ a new conversation that starts where the source stands: the two go on apart.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
@@ -20,7 +19,8 @@ from django.utils import timezone
 from durability import canonical, checkpoints
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.status import MID_RUN
-from durability.models import Checkpoint, Event, EventKind, Mutation, Run, RunStatus, Snapshot
+from durability.models import Checkpoint, Event, EventKind, Run, RunStatus, Snapshot
+from durability.store.base import write_checkpoint
 from durability.store.langgraph import AGENT_VERSION
 from durability.telemetry import current_traceparent
 
@@ -129,24 +129,42 @@ def _copy_events(old: Thread, thread: Thread, graph: str) -> None:
 
 
 def _copy_checkpoints(src: Run, run: Run) -> dict[int, int]:
-    """Every checkpoint of ``src`` made again on ``run``, oldest first (a parent before its
-    children), chained anew; the new ids by the old."""
+    """Every checkpoint of ``src`` made again on ``run`` (``write_checkpoint``, with its
+    patch and its snapshot if it has one), oldest first (a parent before its children),
+    chained anew; the new ids by the old."""
     ids: dict[int, int] = {}
     chains: dict[int, str] = {}
     for cp in Checkpoint.objects.filter(run=src).select_related("mutation", "snapshot"):
-        new = Checkpoint(
+        parent_id = ids[cp.parent_id] if cp.parent_id is not None else None
+        # A compacted checkpoint's removed parent: its chain is what this one links on, in
+        # the copy as in the source.
+        linked_on = chains[parent_id] if parent_id is not None else cp.parent_chain
+        snapshot = _snapshot_of(cp)
+        new = write_checkpoint(
+            ops=cp.mutation.ops,
+            count=cp.mutation.count,
+            snapshot=snapshot.state if snapshot is not None else None,
+            digest=snapshot.digest if snapshot is not None else "",
             run=run,
             seq=cp.seq,
-            parent_id=ids[cp.parent_id] if cp.parent_id is not None else None,
+            parent_id=parent_id,
             reason=cp.reason,
             step=cp.step,
             next_step=cp.next_step,
             state_hash=cp.state_hash,
+            chain_hash=checkpoints.link(
+                linked_on,
+                cp.state_hash,
+                run_id=run.pk,
+                seq=cp.seq,
+                step=cp.step,
+                next_step=cp.next_step,
+                schema_version=cp.schema_version,
+                agent_version=cp.agent_version,
+            ),
             schema_version=cp.schema_version,
             agent_version=cp.agent_version,
             config_hash=cp.config_hash,
-            # A compacted checkpoint's removed parent: its chain is what this one's links
-            # on, in the copy as in the source.
             parent_chain=cp.parent_chain,
             parent_state=cp.parent_state,
             packages=cp.packages,
@@ -156,30 +174,13 @@ def _copy_checkpoints(src: Run, run: Run) -> dict[int, int]:
             commit_id=uuid.uuid4(),
             created_by=cp.created_by,
         )
-        linked_on = chains[new.parent_id] if new.parent_id is not None else cp.parent_chain
-        new.chain_hash = checkpoints.chain_of(new, linked_on)
-        new.save(force_insert=True)
         ids[cp.id], chains[new.id] = new.id, new.chain_hash
-        mutation = _related(cp, "mutation")
-        if mutation is not None:
-            Mutation.objects.create(
-                checkpoint=new, ops=mutation.ops, count=mutation.count, run_id=run.pk, seq=cp.seq
-            )
-        snapshot = _related(cp, "snapshot")
-        if snapshot is not None:
-            Snapshot.objects.create(
-                checkpoint=new,
-                state=snapshot.state,
-                digest=snapshot.digest,
-                run_id=run.pk,
-                seq=cp.seq,
-            )
     return ids
 
 
-def _related(cp: Checkpoint, name: str) -> Any:
-    """A checkpoint's mutation or snapshot row, None if it has none."""
+def _snapshot_of(cp: Checkpoint) -> Snapshot | None:
+    """A checkpoint's snapshot row, None if it is stored as a patch only."""
     try:
-        return getattr(cp, name)
-    except (Mutation.DoesNotExist, Snapshot.DoesNotExist):
+        return cp.snapshot
+    except Snapshot.DoesNotExist:
         return None
