@@ -79,7 +79,8 @@ def delete_for_runs(run_ids: Sequence[str]) -> list[Thread]:
                 f" {', '.join(refused)}; nothing was deleted. delete_thread deletes such a"
                 " thread whole."
             )
-        for thread_pk, lg_id in rows.values_list("thread_id", "lg_id"):
-            PendingWrite.objects.filter(thread_id=thread_pk, checkpoint_id=lg_id).delete()
+        for thread in threads:  # one statement a thread, not one a checkpoint
+            gone = rows.filter(thread=thread).values("lg_id")
+            PendingWrite.objects.filter(thread=thread, checkpoint_id__in=gone).delete()
         rows.delete()
     return threads
