@@ -94,6 +94,13 @@ class ExecutedElsewhere(InvalidTransition):
     code = "DUR120"
 
 
+class OnLegalHold(InvalidTransition):
+    """The run is on legal hold (``durability hold``): it may not be deleted, by retention
+    or by anything else, until the hold is released. Nothing was changed."""
+
+    code = "DUR121"
+
+
 class AlreadyDecided(InvalidInput):
     code = "DUR108"
 

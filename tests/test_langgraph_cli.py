@@ -81,6 +81,11 @@ def test_the_example_runs_in_its_own_process_and_its_run_says_where_it_is():
     line = next(row for row in listed.splitlines() if row.startswith(run.short_id))
     assert BADGE in line and "an answer to:" in line, line
     assert line.split()[1:3] == ["support-graph@langgraph", "waiting"], line  # not cut
+    # Filtered by the agent as the column shows it; a filter that matches nothing says so.
+    assert run.short_id in command("list", "--agent", "support-graph@langgraph")
+    assert run.short_id not in command("list", "--agent", "support-graph@2")
+    none = command("list", "--agent", "no-such-graph", "--status", "failed")
+    assert none.startswith("no runs match (agent no-such-graph, status failed)"), none
     shown = command("show", str(run.id))
     assert f"{BADGE}: thread {thread} of graph support-graph" in shown
     assert "Command(resume=...)" in shown and thread in shown
@@ -147,7 +152,8 @@ def test_every_operation_that_needs_a_worker_is_refused_and_changes_nothing(what
     assert refused.value.code == "DUR120"
     text = str(refused.value)
     assert "executed in its own process" in text and "nothing was changed" in text, text
-    assert "graph.invoke(" in text and str(run.id) in text
+    # Waiting on an interrupt: the call that answers it, not one that would ask again.
+    assert "graph.invoke(Command(resume=" in text and str(run.id) in text, text
     assert snapshot(run) == before
 
 

@@ -22,7 +22,7 @@ from langgraph.types import Command
 from durability import operations
 from durability.langgraph import DurableSaver
 from durability.langgraph.models import Thread
-from durability.models import Run
+from durability.models import Checkpoint, Run
 from tests import langgraph_graphs as graphs
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,6 +69,27 @@ class HeldRun:
         if self.db.connection is not None:
             self.db.rollback()
             self.db.close()
+
+    def store_a_checkpoint(self, run_id: object) -> None:
+        """What a checkpoint's statement does while it holds the row: number one more
+        checkpoint, a child of the run's last, then commit."""
+        columns = [f.column for f in Checkpoint._meta.concrete_fields if f.column != "id"]
+        values = [
+            {"seq": "c.seq + 1", "parent_id": "c.id", "commit_id": "gen_random_uuid()"}.get(
+                column, f"c.{column}"
+            )
+            for column in columns
+        ]
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE durability_run SET head_seq = head_seq + 1 WHERE id = %s", [run_id])
+            cur.execute(
+                f"INSERT INTO durability_checkpoint ({', '.join(columns)})"
+                f" SELECT {', '.join(values)} FROM durability_checkpoint c"
+                " WHERE c.run_id = %s ORDER BY c.seq DESC LIMIT 1",
+                [run_id],
+            )
+        self.db.commit()
+        self.db.close()
 
 
 MORE = {"messages": [HumanMessage("again", id="human-1")], "turns": 0}
@@ -189,4 +210,30 @@ def test_a_copy_waits_for_a_checkpoint_being_stored_on_its_source():
     ]
     (report,) = operations.verify(run_of(copy).id)
     assert report.ok, str(report)
+    saver.close()
+
+
+def test_a_thread_deleted_while_a_checkpoint_is_being_stored_goes_whole():
+    """``delete_thread`` locks the thread's runs first: a checkpoint whose statement holds
+    its run commits before the delete reads the run's checkpoints, and goes with them (no
+    checkpoint left behind, no refusal of the delete for a checkpoint it did not see)."""
+    postgres_only()
+    saver = DurableSaver()
+    cfg = config()
+    graphs.tool_loop().compile(checkpointer=saver).invoke(graphs.first_input(), cfg)
+    run = run_of(cfg)
+    held = HeldRun(run.id)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            deleting = pool.submit(saver.delete_thread, cfg["configurable"]["thread_id"])
+            held.wait_for_a_waiter()
+            with pytest.raises(FutureTimeout):
+                deleting.result(timeout=0.3)
+            held.store_a_checkpoint(run.id)
+        finally:
+            held.release()
+        deleting.result(timeout=30)
+    assert not Run.objects.filter(pk=run.id).exists()
+    assert not Checkpoint.objects.filter(run_id=run.id).exists()
+    assert saver.get_tuple(cfg) is None
     saver.close()

@@ -17,6 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from durability import canonical, checkpoints
+from durability.langgraph import options
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.status import MID_RUN
 from durability.models import Checkpoint, Event, EventKind, Run, RunStatus, Snapshot
@@ -34,7 +35,7 @@ def copy_thread(source: str, target: str, *, graph: str) -> list[Thread]:
     the new thread rows, parents first. A source with no checkpoints copies nothing. A
     ``target`` that exists already, or the source itself, is refused before anything
     changes (``ValueError``)."""
-    source, target = str(source), str(target)
+    source, target = options.thread_id(source), options.thread_id(target)
     if source == target:
         raise ValueError(f"copy_thread: the source and the target are one thread ({source!r})")
     with transaction.atomic():

@@ -52,7 +52,6 @@ class Found:
     thread: int
     run_id: Any
     head_seq: int
-    agent: str  # the run's: whether the workers execute it (``status``)
     stored: Stored | None
     lg_parent: str
     writes: list[tuple[str, int, str, str, str]]  # task id, idx, channel, task path, value
@@ -67,11 +66,11 @@ def read(db: Any, thread_id: str, ns: str, lg_id: str, have: Stored | None) -> F
         return None
     # Oldest first: the snapshot (or the state held), its patches, then the checkpoint
     # itself, whose row carries the rest.
-    thread, run_id, head_seq, agent, lg, lg_parent, *head = rows[-1][4:]
+    thread, run_id, head_seq, lg, lg_parent, *head = rows[-1][4:]
     path = [row[:4] for row in rows]
     writes = [(w[0], int(w[1]), w[2], w[3], w[4]) for w in head[-1] or []]
     stored = _rebuilt(run_id, lg, head[:-1], path, have)
-    return Found(thread, run_id, head_seq, agent, stored, lg_parent or "", writes)
+    return Found(thread, run_id, head_seq, stored, lg_parent or "", writes)
 
 
 def start(db: Any, run_id: Any) -> Stored:

@@ -10,17 +10,34 @@ from collections.abc import Sequence
 
 from django.db import transaction
 
-from durability.langgraph import delta
+from durability.errors import OnLegalHold
+from durability.langgraph import delta, options
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run
 
 
 def delete_thread(thread_id: str) -> list[Thread]:
     """Delete every namespace's run of the thread, with all their checkpoints; the thread
-    rows deleted."""
+    rows deleted. The runs are locked first: a checkpoint being stored meanwhile (its
+    statement holds its run's row) is then deleted with the rest once it commits, and one
+    after it finds its run gone (``ThreadDeleted``). A run on legal hold is refused
+    (``OnLegalHold``), and nothing is deleted."""
+    thread_id = options.thread_id(thread_id)
     with transaction.atomic():
-        threads = list(Thread.objects.filter(thread_id=str(thread_id)))
-        runs = [t.run_id for t in threads]
+        threads = list(Thread.objects.filter(thread_id=thread_id))
+        locked = list(
+            Run.objects.select_for_update()
+            .filter(pk__in=[t.run_id for t in threads])
+            .order_by("pk")
+            .values_list("pk", "legal_hold")
+        )
+        if held := [str(pk) for pk, hold in locked if hold]:
+            raise OnLegalHold(
+                f"thread {thread_id!r} is on legal hold: nothing was deleted. Release the"
+                f" hold first: python manage.py durability hold {held[0]} --release",
+                run_id=held[0],
+            )
+        runs = [pk for pk, _ in locked]
         # Checkpoints protect their parents: unlink them before the cascade.
         Checkpoint.objects.filter(run_id__in=runs).update(parent=None)
         Run.objects.filter(pk__in=runs).delete()
@@ -34,7 +51,7 @@ def prune(thread_ids: Sequence[str], strategy: str) -> list[Thread]:
         raise TypeError("thread_ids must be a sequence of thread ids, not one string")
     if strategy not in ("keep_latest", "delete"):
         raise ValueError(f"unknown prune strategy {strategy!r}: keep_latest or delete")
-    thread_ids = [str(t) for t in thread_ids]
+    thread_ids = [options.thread_id(t) for t in thread_ids]
     if strategy == "delete":
         return [t for thread_id in thread_ids for t in delete_thread(thread_id)]
     if refused := delta.uses(thread_ids):

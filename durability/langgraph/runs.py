@@ -7,9 +7,11 @@ like any other, and every action that needs a worker to carry it out (resume, ca
 back, fork, decide an approval, resolve an effect, send a message) is refused on it
 (``ExecutedElsewhere``, DUR120) and not offered by the dashboard.
 
-``outside_workers`` is the one place that decides it; the dashboard, the CLI, the engine's
-operations and the saver's status reports all ask it. A graph registered as an agent is
-executed by the workers, so its runs are not outside them even though they have a thread.
+``outside_workers`` is the one place that decides it; the dashboard, the CLI and the
+engine's operations ask it. It goes by how the run was made, not by its name: a graph
+registered as an agent is executed by the workers in runs of its own, which hold no thread
+(``registered``), and a saver refuses a registered agent's name (``options.check``), so
+that a run the saver made is never handed to a worker, whatever the registry says later.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from durability.agents import registry
-from durability.errors import ExecutedElsewhere, UnknownAgent
+from durability.errors import ExecutedElsewhere
 from durability.langgraph.models import Thread
 from durability.models import Run
 
@@ -28,18 +29,11 @@ BADGE = "LangGraph · runs in your process"
 
 
 def outside_workers(run: Run, *, has_thread: bool | None = None) -> bool:
-    """Whether ``run`` is executed outside the workers: it holds a LangGraph thread
-    (``has_thread``, when the caller already knows) and its agent (the saver's ``graph``
-    name) is not registered in the agent registry."""
+    """Whether ``run`` is executed outside the workers: whether it holds a LangGraph thread
+    (``has_thread``, when the caller already knows)."""
     if has_thread is None:
         has_thread = Thread.objects.filter(run_id=run.pk).exists()
-    if not has_thread:
-        return False
-    try:
-        registry.get(run.agent)
-    except UnknownAgent:
-        return True
-    return False
+    return has_thread
 
 
 def outside_workers_among(runs: Iterable[Run]) -> set[Any]:
@@ -56,11 +50,13 @@ def refuse_outside_workers(run: Run, action: str) -> None:
     (resume, cancel...) needs a worker. The message says how to go on instead."""
     if not outside_workers(run):
         return
-    thread = Thread.objects.filter(run_id=run.pk).first()
+    # Where its last checkpoint left it: an interrupt waiting is answered, not invoked on.
+    from durability.langgraph.describe import waiting
+
     raise ExecutedElsewhere(
         f"cannot {action}: this run is the LangGraph graph {run.agent!r} executed in its own"
         " process with DurableSaver, not by the workers, so no worker can carry that out;"
-        f" nothing was changed. {how_to_continue(thread)}",
+        f" nothing was changed. {waiting(run).how_to_continue}",
         run_id=run.pk,
     )
 

@@ -53,6 +53,7 @@ from durability.langgraph import (
     latest,
     lifetime,
     memory,
+    options,
     pool,
     pruning,
     reader,
@@ -96,16 +97,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         connections: int = 4,
     ) -> None:
         super().__init__(serde=serde)
-        if not graph or len(graph) > 200:
-            raise ValueError("graph must be a name of 1 to 200 characters")
-        if durability not in ("strict", "relaxed"):
-            raise ValueError(f"durability must be 'strict' or 'relaxed', not {durability!r}")
-        if type(cached_threads) is not int or cached_threads < 1:
-            raise ValueError(f"cached_threads must be a whole number >= 1, not {cached_threads!r}")
-        if type(cached_bytes) is not int or cached_bytes < 0:
-            raise ValueError(f"cached_bytes must be a whole number >= 0, not {cached_bytes!r}")
-        if type(connections) is not int or connections < 1:
-            raise ValueError(f"connections must be a whole number >= 1, not {connections!r}")
+        options.check(graph, durability, cached_threads, cached_bytes, connections)
         self.graph = graph
         self.durability = durability
         self.cached_threads = cached_threads
@@ -131,9 +123,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        conf = config["configurable"]
-        thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
-        parent_id = conf.get("checkpoint_id") or ""
+        thread_id, ns = options.key(config)
+        parent_id = config["configurable"].get("checkpoint_id") or ""
         thread = self._known(thread_id, ns)
         fields = dict(checkpoint)
         values = fields.pop("channel_values")
@@ -147,11 +138,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 "metadata": codec.Encoder(self.serde).encode(md),
             }
             # A change of the run's status this checkpoint makes (``status``: a turn's
-            # start and end), written in its transaction where that needs no query first.
+            # start and end), written in its transaction.
             report = self._status.put(thread, checkpoint["id"], values, seq)
-            riding = None
-            if report is not None and report.can_ride():
-                riding, report = report.riding(), None
+            riding = report.riding() if report is not None else None
             try:
                 saved = self._on_db(
                     self._commit, thread, parent_id, checkpoint["id"], doc, md, riding
@@ -172,8 +161,6 @@ class DurableSaver(BaseCheckpointSaver[int]):
             with mem.lock:
                 if mem.is_known(thread):  # not forgotten (deleted) meanwhile
                     mem.keep(thread.pk, saved, saved.seq)
-        if report is not None:
-            self._call(report)
         return lg_config(thread_id, ns, checkpoint["id"])
 
     def _commit(
@@ -208,9 +195,8 @@ class DurableSaver(BaseCheckpointSaver[int]):
     ) -> None:
         if not writes:
             return
-        conf = config["configurable"]
-        thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
-        checkpoint_id = conf["checkpoint_id"]
+        thread_id, ns = options.key(config)
+        checkpoint_id = config["configurable"]["checkpoint_id"]
         encoder = codec.Encoder(self.serde)
         rows = [
             (WRITES_IDX_MAP.get(channel, idx), channel, canonical.dumps(encoder.encode(value)))
@@ -246,8 +232,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
     # --- reading -------------------------------------------------------------------------
 
     def _get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        conf = config["configurable"]
-        thread_id, ns = str(conf["thread_id"]), conf.get("checkpoint_ns", "")
+        thread_id, ns = options.key(config)
         wanted = get_checkpoint_id(config) or ""
         if not self._fast:
             return self._call(self._get_tuple_orm, thread_id, ns, wanted)
@@ -276,7 +261,6 @@ class DurableSaver(BaseCheckpointSaver[int]):
                     id=found.thread, thread_id=thread_id, checkpoint_ns=ns, run_id=found.run_id
                 )
                 mem.remember(known)
-                self._status.found(known, found.agent)
             mem.keep(found.thread, found.stored, found.head_seq)
             doc = found.stored.doc
             writes = reader.decoded_writes(found.writes, self.serde)
@@ -370,8 +354,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
     def _delta_history(
         self, config: RunnableConfig, channels: Sequence[str]
     ) -> dict[str, DeltaChannelHistory]:
-        conf = config["configurable"]
-        thread = self._thread(str(conf["thread_id"]), conf.get("checkpoint_ns", ""), create=False)
+        thread = self._thread(*options.key(config), create=False)
         if thread is None:
             return {ch: {"writes": []} for ch in channels}
         return delta.history(thread, get_checkpoint_id(config) or "", channels, self.serde)
@@ -385,6 +368,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
+        self._check_open()
         if self._fast:
             return self._put(config, checkpoint, metadata, new_versions)
         return self._call(self._put, config, checkpoint, metadata, new_versions)
@@ -396,12 +380,14 @@ class DurableSaver(BaseCheckpointSaver[int]):
         task_id: str,
         task_path: str = "",
     ) -> None:
+        self._check_open()
         if self._fast:
             self._put_writes(config, writes, task_id, task_path)
         else:
             self._call(self._put_writes, config, writes, task_id, task_path)
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        self._check_open()
         return self._get_tuple(config)
 
     def delete_thread(self, thread_id: str) -> None:
@@ -476,6 +462,12 @@ class DurableSaver(BaseCheckpointSaver[int]):
         its own) for one that is garbage-collected (``lifetime``)."""
         lifetime.close(self._closer)
 
+    def _check_open(self) -> None:
+        """Every call refuses alike once the saver is closed: its connections and thread
+        are gone (a call already running when it closed finishes)."""
+        if not self._closer.alive:
+            raise RuntimeError("this DurableSaver is closed: make a new one to go on")
+
     async def aclose(self) -> None:
         """``close``, off the event loop."""
         await asyncio.to_thread(self.close)
@@ -492,11 +484,13 @@ class DurableSaver(BaseCheckpointSaver[int]):
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the saver's thread (directly if there), in the caller's context."""
+        self._check_open()
         if threading.current_thread() is self._worker_thread:
             return fn(*args)
         return self._worker.submit(copy_context().run, self._on_worker, fn, *args).result()
 
     async def _acall(self, fn: Callable[..., T], *args: Any) -> T:
+        self._check_open()
         return await asyncio.wrap_future(
             self._worker.submit(copy_context().run, self._on_worker, fn, *args)
         )

@@ -38,8 +38,7 @@ from django.db import DatabaseError, connection
 from durability import events, lifecycle
 from durability.errors import StepError
 from durability.langgraph.models import Thread
-from durability.langgraph.runs import outside_workers
-from durability.models import Event, Run, RunStatus
+from durability.models import Event, RunStatus
 from durability.redact import redact
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
@@ -106,19 +105,17 @@ class Reporter:
         self._made = itertools.count()
         self._written: dict[int, int] = {}  # thread -> number of the last report written
         self._said: dict[int, str] = {}
-        self._outside: dict[int, bool] = {}
         self._latest: dict[int, tuple[str, int]] = {}  # thread -> (checkpoint id, seq)
         # thread -> checkpoint id -> task id -> (kind, text): every task of a superstep may
         # stop it (parallel branches each calling ``interrupt()``).
         self._stops: dict[int, dict[str, dict[str, tuple[str, str]]]] = {}
 
     def known(self, thread: Thread) -> None:
-        """What ``thread``'s run (loaded with it) says and whether the workers execute it, so
-        that a report that would change nothing (a new thread's first checkpoint: its run
-        was made waiting for the graph to go on) costs neither a query nor a transaction."""
+        """What ``thread``'s run (loaded with it) says, so that a report that would change
+        nothing (a new thread's first checkpoint: its run was made waiting for the graph to
+        go on) costs no transaction."""
         run = thread.run
         with self._lock:
-            self._outside[thread.pk] = outside_workers(run, has_thread=True)
             if thread.pk in self._said:
                 return
             if run.status == RunStatus.WAITING and run.wait_detail == MID_RUN:
@@ -126,20 +123,12 @@ class Reporter:
             elif run.status == RunStatus.SUCCEEDED:
                 self._said[thread.pk] = "end:"
 
-    def found(self, thread: Thread, agent: str) -> None:
-        """Whether the workers execute ``thread``'s run, from its agent as a read of the
-        thread found it: its first report then costs no query."""
-        with self._lock:
-            if thread.pk not in self._outside:
-                run = Run(pk=thread.run_id, agent=agent)
-                self._outside[thread.pk] = outside_workers(run, has_thread=True)
-
     def forget(self, threads: Iterable[int]) -> None:
         """Drop what is kept of ``threads`` (their saver forgot them): a report for one made
         later is written, whether or not it changes anything."""
         with self._lock:
             for pk in threads:
-                for kept in (self._written, self._said, self._outside, self._latest, self._stops):
+                for kept in (self._written, self._said, self._latest, self._stops):
                     kept.pop(pk, None)
 
     def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Report | None:
@@ -213,13 +202,6 @@ class Reporter:
         self._said[thread.pk] = said
         return Report(self, thread, next(self._made), seq, kind, text)
 
-    def _is_outside(self, thread: Thread) -> bool:
-        if thread.pk not in self._outside:
-            agent = Run.objects.filter(pk=thread.run_id).values_list("agent", flat=True).first()
-            run = Run(pk=thread.run_id, agent=agent or "")
-            self._outside[thread.pk] = agent is not None and outside_workers(run, has_thread=True)
-        return self._outside[thread.pk]
-
 
 class Report:
     """A change of a run's status that a checkpoint or a task's writes made, numbered as
@@ -236,12 +218,11 @@ class Report:
         """Write it, on the saver's thread, one at a time; nothing if one made after it was
         written already. One that cannot be written is logged and said again at the next
         checkpoint: the checkpoint is stored already."""
-        reporter, thread = self.reporter, self.thread
+        thread = self.thread
         if not self._first():
             return
         try:
-            if reporter._is_outside(thread):
-                lg_store.for_connection(connection).report(thread.run_id, *self.change())
+            lg_store.for_connection(connection).report(thread.run_id, *self.change())
         except DatabaseError as exc:
             self.unsaid()
             if connection.connection is None or not connection.is_usable():
@@ -249,18 +230,10 @@ class Report:
             log.warning("run %s: its status was not updated (%s)", thread.run_id, str(exc))
             _forget(exc)
 
-    def can_ride(self) -> bool:
-        """Whether it can be written with its checkpoint (``riding``): whether the workers
-        execute the run is known without a query. Else it is written after the checkpoint,
-        on the saver's thread."""
-        return self.thread.pk in self.reporter._outside
-
     def riding(self) -> tuple[lifecycle.GraphChange, Event] | None:
         """What to write in the transaction of the checkpoint it follows from (its thread's
-        calls one at a time; ``can_ride``): None if there is nothing to (one made after it
-        was written already, the workers execute the run, whose statuses are theirs, or its
-        thread was forgotten meanwhile and is said again when it comes back)."""
-        if not self._first() or not self.reporter._outside.get(self.thread.pk):
+        calls one at a time): None if one made after it was written already."""
+        if not self._first():
             return None
         return self.change()
 

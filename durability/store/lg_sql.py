@@ -157,7 +157,7 @@ WRITES = {
 
 _READ = """
 WITH RECURSIVE t AS (
-    SELECT h.id, h.run_id, r.head_seq, r.agent FROM {thread} h JOIN {run} r ON r.id = h.run_id
+    SELECT h.id, h.run_id, r.head_seq FROM {thread} h JOIN {run} r ON r.id = h.run_id
      WHERE h.thread_id = %(thread)s AND h.checkpoint_ns = %(ns)s
 ), l AS (
     -- Within the thread's own entries of the index (thread, LangGraph id), whatever the
@@ -191,7 +191,7 @@ WITH RECURSIVE t AS (
            END AS digest
       FROM chain
 ), head AS (
-    SELECT t.id, t.run_id, t.head_seq, t.agent, l.lg_id, l.lg_parent_id,
+    SELECT t.id, t.run_id, t.head_seq, l.lg_id, l.lg_parent_id,
            c.seq, c.state_hash, c.chain_hash, c.step, c.next_step, c.schema_version,
            c.agent_version, c.delta_run, c.size,
            coalesce(nullif(c.parent_chain, ''), p.chain_hash, ''),
