@@ -99,6 +99,11 @@ class GraphSuperstepOut(Schema):
     tasks: list[GraphTaskOut] = Field(..., description="the tasks that made this checkpoint")
 
 
+class GraphCopiedFromOut(Schema):
+    thread_id: str
+    run: str = Field(..., description="the id of the run it was copied from")
+
+
 class GraphOut(Schema):
     """A LangGraph graph executed in its own process (DurableSaver): no worker executes it,
     so resume, cancel, rollback, fork, decide, resolve and send are refused (DUR120)."""
@@ -106,6 +111,9 @@ class GraphOut(Schema):
     executed_by: str
     thread_id: str | None
     checkpoint_ns: str | None
+    copied_from: GraphCopiedFromOut | None = Field(
+        None, description="the thread it was copied from (copy_thread), if it is a copy"
+    )
     next: list[str] = Field(..., description="the nodes its latest checkpoint runs next")
     interrupts: list[GraphInterruptOut] = Field(..., description="the interrupts waiting")
     errors: list[GraphErrorOut]

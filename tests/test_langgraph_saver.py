@@ -18,6 +18,7 @@ from langgraph.types import Command
 
 from durability import canonical, checkpoints, operations, redact
 from durability.langgraph import DurableSaver, ThreadDeleted, memory, store
+from durability.langgraph import cli as lg_cli
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Checkpoint, Run, Snapshot
 from durability.store import langgraph as lg_store
@@ -183,6 +184,12 @@ def test_copy_thread_copies_every_namespace_and_the_copies_go_on_apart():
     children = list(Run.objects.filter(parent_run=root))
     assert children and all(c.langgraph_thread.thread_id == copy_id for c in children)
     assert root.pk != run_of(a).pk
+    # ``durability show`` (and ``--json``, the API) says where the copy came from.
+    came_from = {"thread_id": source_id, "run": str(run_of(a).pk)}
+    assert lg_cli.as_json(root)["copied_from"] == came_from
+    shown: list[str] = []
+    lg_cli.show(shown.append, root)
+    assert f"  copied from thread {source_id} (run {run_of(a).pk})" in shown, shown
     for run in [root, *children]:
         (report,) = operations.verify(run.id)
         assert report.ok, str(report)

@@ -12,7 +12,7 @@ from durability.errors import DurabilityError
 from durability.langgraph import describe
 from durability.langgraph.runs import BADGE, outside_workers, outside_workers_among
 from durability.langgraph.status import ANSWER
-from durability.models import Checkpoint, Run
+from durability.models import Checkpoint, Event, EventKind, Run
 
 SUPERSTEPS_SHOWN = 50
 
@@ -46,6 +46,7 @@ def as_json(run: Run) -> dict[str, Any] | None:
         "executed_by": "its own process (DurableSaver), not the workers",
         "thread_id": thread.thread_id if thread else None,
         "checkpoint_ns": thread.checkpoint_ns if thread else None,
+        "copied_from": _copied_from(run),
         "next": list(waiting.next),
         "interrupts": [
             {"node": n, "value": _json(v), "id": i or None} for n, v, i in waiting.interrupts
@@ -76,6 +77,18 @@ def as_json(run: Run) -> dict[str, Any] | None:
     }
 
 
+def _copied_from(run: Run) -> dict[str, Any] | None:
+    """The thread and run this one was copied from (``copy_thread``), if it is a copy."""
+    data = (
+        Event.objects.filter(run=run, kind=EventKind.CREATED).values_list("data", flat=True).first()
+    )
+    try:
+        found = json.loads(data or "{}").get("copied_from")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def _json(text: str) -> Any:
     """An interrupt's value or an answer, stored as JSON text where it could be encoded."""
     try:
@@ -91,6 +104,8 @@ def show(say: Callable[[str], None], run: Run) -> None:
     waiting = _waiting(run)
     thread = waiting.thread
     say(f"{BADGE}: thread {thread.thread_id if thread else '?'} of graph {run.agent}")
+    if copied := _copied_from(run):
+        say(f"  copied from thread {copied.get('thread_id')} (run {copied.get('run')})")
     if run.wait_detail.startswith(ANSWER):
         say(f"  waiting for {run.wait_detail}")
     elif waiting.next:

@@ -67,7 +67,7 @@ def _runs(sub: Any) -> None:
 
     p = sub.add_parser("list", help="list runs, newest first")
     p.add_argument("--status", choices=[s.value for s in RunStatus])
-    p.add_argument("--agent")
+    p.add_argument("--agent", help="an agent name, or name@version as the list shows it")
     p.add_argument("--limit", type=int, default=30)
 
     p = sub.add_parser("show", help="show a run: header, checkpoints, approvals, effects, events")

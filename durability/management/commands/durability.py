@@ -154,8 +154,16 @@ class Command(BaseCommand):
         if opts["status"]:
             runs = runs.filter(status=opts["status"])
         if opts["agent"]:
-            runs = runs.filter(agent=opts["agent"])
+            # As the agent column shows it too: name@version.
+            name, at, version = opts["agent"].partition("@")
+            runs = runs.filter(agent=name, **({"agent_version": version} if at else {}))
         rows = list(runs.order_by("-created_at")[: opts["limit"]])
+        if not rows and (opts["status"] or opts["agent"]):
+            given = ", ".join(f"{key} {opts[key]}" for key in ("agent", "status") if opts[key])
+            self.say(
+                f"no runs match ({given}); without the filters: python manage.py durability list"
+            )
+            return
         if not rows:
             self.say(
                 "no runs yet; start one with: python manage.py durability start research"
