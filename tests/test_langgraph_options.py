@@ -5,10 +5,15 @@ refused with a message that says what is wrong, and nothing is read or stored.""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+from django.db import connection
 from langgraph.checkpoint.base import empty_checkpoint
 
 from durability import operations, retention
@@ -19,6 +24,7 @@ from durability.langgraph.models import Thread
 from durability.langgraph.runs import outside_workers
 from durability.models import Run
 from tests import langgraph_graphs as graphs
+from tests.procs import ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -165,3 +171,45 @@ def test_a_thread_on_legal_hold_is_not_deleted():
     saver.delete_thread(thread)
     assert not Run.objects.filter(pk=run.id).exists() and saver.get_tuple(cfg) is None
     saver.close()
+
+
+@pytest.mark.parametrize("vendor", ["sqlite", "postgresql"])
+def test_a_database_never_migrated_is_met_with_how_to_migrate_it(vendor, tmp_path):
+    """A new user's first invoke on a database without the product's tables: the error
+    names the command that makes them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "PYTHONPATH")}
+    env.update(DJANGO_SETTINGS_MODULE="config.settings", DURABILITY_VAR_DIR=str(tmp_path))
+    env.setdefault("SECRET_KEY", "x")
+    name = f"unmigrated_{uuid.uuid4().hex[:8]}"
+    if vendor == "postgresql":
+        if connection.vendor != "postgresql":
+            pytest.skip("PostgreSQL's own message: run on PostgreSQL")
+        url = urlsplit(os.environ["DATABASE_URL"])
+        env["DATABASE_URL"] = urlunsplit(url._replace(path=f"/{name}"))
+        with connection.cursor() as cur:
+            cur.execute(f"CREATE DATABASE {name}")
+    script = (
+        "import django; django.setup()\n"
+        "from durability.langgraph import DurableSaver\n"
+        "DurableSaver().get_tuple({'configurable': {'thread_id': 't'}})\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        if vendor == "postgresql":
+            with connection.cursor() as cur:
+                cur.execute(f"DROP DATABASE IF EXISTS {name}")
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "durability_langgraph_thread" in last, last
+    assert last.endswith(
+        "this database has no tables of the product's; create them with python manage.py"
+        " migrate (see docs/langgraph.md)"
+    ), last

@@ -501,7 +501,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
         self._worker_thread = threading.current_thread()
         try:
             return fn(*args)
-        except DatabaseError:
+        except DatabaseError as exc:
+            if (said := shared.explained(exc)) is not None:
+                raise said from exc
             if not connected():
                 drop(connection)  # lost: the next call connects again
             raise

@@ -45,7 +45,9 @@ class Shared:
                 if fresh:
                     lg_store.for_connection(self._db).own_session()
                 return fn(self._db)
-            except DatabaseError:
+            except DatabaseError as exc:
+                if (said := explained(exc)) is not None:
+                    raise said from exc
                 if self._db.connection is not None and self._db.is_usable():
                     raise
                 drop(self._db)
@@ -59,6 +61,19 @@ class Shared:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def explained(exc: DatabaseError) -> DatabaseError | None:
+    """``exc`` said again with what to do where the product's tables are missing (the
+    database was never migrated: PostgreSQL's "relation ... does not exist", SQLite's "no
+    such table"); None for any other error."""
+    text = str(exc).strip()
+    if 'relation "durability_' not in text and "no such table: durability_" not in text:
+        return None
+    return type(exc)(  # the first line: PostgreSQL's next ones point into the statement
+        f"{text.splitlines()[0]}: this database has no tables of the product's; create them with"
+        " python manage.py migrate (see docs/langgraph.md)"
+    )
 
 
 def connected() -> bool:
