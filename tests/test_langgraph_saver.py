@@ -162,7 +162,7 @@ def test_copy_thread_copies_every_namespace_and_the_copies_go_on_apart():
     namespace, the pending writes, LangGraph's ids): the copy's history is the source's,
     each of its runs verifies on its own, and the two threads go on apart, as two threads
     with the same history do on ``InMemorySaver``. A target that exists, or the source
-    itself, is refused and nothing changes; a source with nothing copies nothing."""
+    itself, or a source with nothing stored, is refused and nothing changes."""
     ours, theirs = both(graphs.with_subgraph())
     saver = ours.checkpointer
     a, b, twin = config(), config(), config()
@@ -198,7 +198,8 @@ def test_copy_thread_copies_every_namespace_and_the_copies_go_on_apart():
         saver.copy_thread(source_id, copy_id)
     with pytest.raises(ValueError, match="the source and the target are one thread"):
         saver.copy_thread(source_id, source_id)
-    saver.copy_thread("never-stored", "nor-this")
+    with pytest.raises(ValueError, match="thread 'never-stored' has no checkpoints here"):
+        saver.copy_thread("never-stored", "nor-this")
     assert (Run.objects.count(), Checkpoint.objects.count(), PendingWrite.objects.count()) == (
         counts
     )

@@ -32,9 +32,9 @@ _KEPT = (RunStatus.WAITING, RunStatus.SUCCEEDED, RunStatus.FAILED)
 
 def copy_thread(source: str, target: str, *, graph: str) -> list[Thread]:
     """Copy thread ``source`` into thread ``target`` (new runs of ``graph``), all or none;
-    the new thread rows, parents first. A source with no checkpoints copies nothing. A
-    ``target`` that exists already, or the source itself, is refused before anything
-    changes (``ValueError``)."""
+    the new thread rows, parents first. A source with no checkpoints, a ``target`` that
+    exists already, or the source itself, is refused before anything changes
+    (``ValueError``; LangGraph's conformance suite allows an error for the first)."""
     source, target = options.thread_id(source), options.thread_id(target)
     if source == target:
         raise ValueError(f"copy_thread: the source and the target are one thread ({source!r})")
@@ -45,7 +45,9 @@ def copy_thread(source: str, target: str, *, graph: str) -> list[Thread]:
         list(Run.objects.select_for_update().filter(pk__in=runs).order_by("pk"))
         rows = list(Thread.objects.select_related("run").filter(thread_id=source))
         if not rows:
-            return []
+            raise ValueError(
+                f"copy_thread: thread {source!r} has no checkpoints here; nothing was copied"
+            )
         if Thread.objects.filter(thread_id=target).exists():
             raise ValueError(
                 f"copy_thread: thread {target!r} exists already; nothing was copied (delete"
