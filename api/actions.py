@@ -20,7 +20,7 @@ from api.schemas import (
     RollbackOut,
     RunDetailOut,
 )
-from durability import operations, retention
+from durability import operations, retention, rollbacks
 from durability.errors import (
     DurabilityError,
     InvalidInput,
@@ -57,7 +57,7 @@ def _decisions(raw: dict[str, str]) -> dict[int, str]:
     return decided
 
 
-def _plan_out(plan: Any, *, dry_run: bool, decisions: dict[int, str], run: Run | None):
+def _plan_out(plan: Any, *, dry_run: bool, decisions: dict[int, str], run: Run | None, hold: bool):
     return {
         "run_id": str(plan.run.id),
         "target": plan.target.seq,
@@ -77,7 +77,8 @@ def _plan_out(plan: Any, *, dry_run: bool, decisions: dict[int, str], run: Run |
             }
             for e in plan.done_not_undone
         ],
-        "sentences": plan.sentences(decisions),
+        # Held or continued at once, as the request asks (``and_continue``).
+        "sentences": plan.sentences(decisions, hold=hold),
         "held": bool(getattr(plan, "held", False)),
         "new_head": plan.checkpoint.seq if getattr(plan, "checkpoint", None) else None,
         "run": present.run_detail(run) if run is not None else None,
@@ -101,7 +102,15 @@ def rollback(
     with common.acting_as(request) as by, common.fields(ROLLBACK_FIELDS):
         if body.dry_run:
             plan = operations.plan_rollback(run_id[:64], body.checkpoint)
-            return _plan_out(plan, dry_run=True, decisions=decisions, run=None)
+            # Checked as the rollback itself checks them: a preview of decisions it would
+            # refuse is no preview.
+            try:
+                decisions = rollbacks.check_decisions(plan.done_not_undone, decisions)
+            except ValueError as exc:
+                raise InvalidInput(str(exc), run_id=plan.run.id, field="decisions") from None
+            return _plan_out(
+                plan, dry_run=True, decisions=decisions, run=None, hold=not body.and_continue
+            )
         done = operations.rollback(
             run_id[:64],
             body.checkpoint,
@@ -115,7 +124,7 @@ def rollback(
         )
     run = Run.objects.get(pk=done.run.pk)
     response["ETag"] = common.etag(run.lease_token)
-    return _plan_out(done, dry_run=False, decisions=done.decisions, run=run)
+    return _plan_out(done, dry_run=False, decisions=done.decisions, run=run, hold=done.held)
 
 
 @router.post("/runs/{run_id}/fork", response={201: RunDetailOut, **ACT}, summary="Fork")

@@ -106,6 +106,10 @@ class Agent:
     """An agent definition. Creating one registers it under its name; its run options are
     the policies of durability.policies (see the module's docstring)."""
 
+    # Durability levels its runs may not be started with, and why (a run's own level given
+    # at its start included): none for a native agent.
+    refused_levels: Mapping[str, str] = {}
+
     def __init__(
         self,
         name: str,

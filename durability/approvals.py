@@ -178,11 +178,44 @@ def field_schemas(text: str) -> dict[str, dict[str, Any]]:
 
 
 def complete(text: str, asked: Any, edited: Any) -> Any:
-    """With editable fields named, an edit may give only those: the fields it leaves out
-    keep their asked values (``--payload '{"amount_eur": 200}'`` on the command line)."""
-    if editable_fields(text) is not None and isinstance(asked, dict) and isinstance(edited, dict):
+    """An edit of an object may give only the fields it changes: the fields it leaves out
+    keep their asked values (``--payload '{"amount_eur": 200}'`` on the command line), with
+    editable fields named or not (a LangGraph ``interrupt()``'s value names none)."""
+    if isinstance(asked, dict) and isinstance(edited, dict):
         return {**asked, **edited}
     return edited
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type as a person reads it: whole and decimal numbers are one kind."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "null"
+
+
+def _check_kinds(name: str, asked: Any, edited: Any, run_id: Any) -> None:
+    """Without a schema, each field keeps its asked value's type (and the payload its own):
+    an amount asked as a number is not approved as text. A field asked as null takes any."""
+    pairs = [("the payload", asked, edited)]
+    if isinstance(asked, dict) and isinstance(edited, dict):
+        pairs = [(repr(k), asked[k], edited[k]) for k in asked if k in edited]
+    for what, was, now in pairs:
+        if was is not None and _kind(was) != _kind(now):
+            raise EditRefused(
+                f"approval {name!r}: {what} was asked as {_kind(was)}, so it must stay"
+                f" {_kind(was)}, not {_kind(now)} ({canonical.dumps(now).decode()[:60]});"
+                " nothing was recorded",
+                run_id=run_id,
+                field=what.strip("'") if what != "the payload" else "",
+            )
 
 
 def check_edit(approval: Any, agent_name: str, asked: Any, edited: Any) -> None:
@@ -191,6 +224,7 @@ def check_edit(approval: Any, agent_name: str, asked: Any, edited: Any) -> None:
     (if any) returning no error. Both payloads are as stored (secret values redacted)."""
     spec = load_spec(approval.editable)
     if spec is None:
+        _check_kinds(approval.name, asked, edited, approval.run_id)
         return
     run_id, name = approval.run_id, approval.name
     fields = spec.get("properties")

@@ -39,6 +39,22 @@ def test_rollback_preview_changes_nothing_and_the_rollback_holds_the_run(ops, vi
     plan = preview.json()
     assert plan["dry_run"] and plan["target"] == 1 and plan["sentences"]
     assert [e["key"] for e in plan["effects"]] == ["pay"]
+    assert any("is put on hold" in line for line in plan["sentences"]), plan["sentences"]
+    # The preview checks the decisions as the rollback does, and says what and_continue does.
+    effect = plan["effects"][0]["id"]
+    for bad, said in (
+        ({str(effect): "explode"}, "must be one of ask, reuse, again, compensate"),
+        ({"99": "compensate"}, "effect 99 was not done on the branch this rollback abandons"),
+    ):
+        refused = ops.post(
+            f"/runs/{run.id}/rollback", {"checkpoint": 1, "dry_run": True, "decisions": bad}
+        )
+        assert said in problem(refused, 422, "DUR100")["detail"]
+    going = ops.post(
+        f"/runs/{run.id}/rollback", {"checkpoint": 1, "dry_run": True, "and_continue": True}
+    ).json()
+    assert any("continues at once" in line for line in going["sentences"]), going
+    assert not any("put on hold" in line for line in going["sentences"]), going
     assert counts() == before
     problem(viewer.post(f"/runs/{run.id}/rollback", {"checkpoint": 1}), 403, "DUR111")
     stale = ops.post(f"/runs/{run.id}/rollback", {"checkpoint": 1}, headers={"If-Match": '"999"'})

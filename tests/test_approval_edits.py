@@ -315,3 +315,40 @@ def test_the_form_types_each_editable_field_from_its_schema():
         "tags": ["a", "b"],
         "urgent": True,
     }
+
+
+def ask_plainly(state, ctx):
+    """An approval with no editable schema, as a LangGraph ``interrupt()`` asks one."""
+    decision = ctx.approval("refund", {"order_id": "A-1", "amount_eur": PRICE, "note": None})
+    state["payload"] = decision.payload
+
+
+@pytest.fixture
+def plain_agent():
+    registry.unregister("x-plain")
+    Agent("x-plain", steps=[ask_plainly])
+    yield
+    registry.unregister("x-plain")
+
+
+@pytest.mark.smoke
+def test_without_a_schema_an_edit_may_give_only_what_it_changes_and_keeps_the_types(plain_agent):
+    """Every field is editable, typed by its asked value: a partial edit keeps the rest (it
+    replaced the whole payload, so that a graph's node found its other fields missing), and a
+    field asked as a number is not approved as text."""
+    run = operations.start("x-plain", {})
+    assert drive(run.id).wait_reason == "approval"
+    for bad, said in (
+        ({"amount_eur": "lots"}, "'amount_eur' was asked as a number, so it must stay a number"),
+        ({"order_id": 7}, "'order_id' was asked as text, so it must stay text, not a number"),
+        (["A-1"], "the payload was asked as an object, so it must stay an object"),
+    ):
+        with pytest.raises(EditRefused, match=said):
+            operations.decide(run.id, "refund", approve=True, by="ops", payload=bad)
+        _nothing_recorded(run)
+    operations.decide(
+        run.id, "refund", approve=True, by="ops", payload={"amount_eur": 50, "note": "partial"}
+    )
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED
+    assert state_of(done)["payload"] == {"order_id": "A-1", "amount_eur": 50, "note": "partial"}

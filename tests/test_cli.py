@@ -394,3 +394,21 @@ def test_expect_version_acts_only_on_the_version_it_names(workers, llm):
     assert again.returncode == 2 and "[DUR112]" in again.stderr
     assert Event.objects.filter(run=run, kind=EventKind.CANCELLED).count() == 1
     cli(workers, "cancel", str(run.id))
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(workers):
+    """``durability list | head -1``: the pipe closed under the command is no traceback."""
+    done = cli(workers, "start", "test-loop", "--input", '{"n": 1}')
+    assert done.returncode == 0, done.stderr
+    reader = subprocess.Popen(
+        [sys.executable, "manage.py", "durability", "list"],
+        cwd=ROOT,
+        env=workers.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    reader.stdout.close()  # before the command writes its first line
+    _, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -273,6 +273,14 @@ def test_a_graph_registered_as_an_agent_is_startable_the_same_way(as_operator):
     run = Run.objects.get()
     assert response["Location"] == reverse("dashboard:run", args=[run.id])
     assert run.agent == "lg-support" and run.created_by == "olive"
+    # The form says what a graph's input is, and offers no level a graph refuses.
+    page = text_of(as_operator.get(URL, {"agent": "lg-support"}))
+    assert "lg-support is a LangGraph graph: its input is the graph's first values" in page
+    assert '<option value="periodic"' not in page and '<option value="relaxed"' in page
+    # Input the graph does not take is refused next to the field, and starts nothing.
+    refused = as_operator.post(URL, {"agent": "lg-support", "input": '"hello"'})
+    assert refused.status_code == 422 and "the graph does not take it" in text_of(refused)
+    assert Run.objects.count() == 1
 
 
 def test_the_runs_list_offers_the_button_to_operators_only(as_operator, as_viewer):

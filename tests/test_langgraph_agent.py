@@ -116,10 +116,16 @@ def test_bad_definitions_and_inputs_are_refused_with_a_clear_error_writing_nothi
     assert not Run.objects.exists()
 
 
-def test_a_build_that_makes_no_graph_fails_the_run_naming_why():
+def test_a_build_that_makes_no_graph_is_refused_naming_why():
     agent("lg-not-a-graph", lambda: {"nodes": []})
     try:
-        run = operations.start("lg-not-a-graph", {})
+        with pytest.raises(AgentDefinitionError, match="not a LangGraph StateGraph or compiled"):
+            operations.start("lg-not-a-graph", {})
+        assert not Run.objects.filter(agent="lg-not-a-graph").exists()
+        # A run started before its build broke (a deploy in between) fails at its step.
+        agent("lg-not-a-graph", lambda: graphs.support_graph(1))
+        run = operations.start("lg-not-a-graph", graphs.first_input())
+        agent("lg-not-a-graph", lambda: {"nodes": []})
         done = drive(run.id)
         assert done.status == RunStatus.FAILED
         assert "not a LangGraph StateGraph or compiled graph" in done.error
@@ -198,6 +204,24 @@ def test_outside_a_worker_wait_for_is_an_interrupt_resumed_with_the_message():
 def test_a_graph_refuses_the_periodic_level():
     with pytest.raises(AgentDefinitionError, match="periodic"):
         agent("lg-periodic", graphs.chat_graph, durability="periodic", register=False)
+    # Nor can one run of it be started at that level (it was, and stored a checkpoint for
+    # several supersteps).
+    before = Run.objects.count()
+    with pytest.raises(InvalidInput, match="agent lg-refund: a graph checkpoints every"):
+        operations.start("lg-refund", {"amount": 50, "paid": 0}, durability="periodic")
+    assert Run.objects.count() == before
+
+
+def test_input_the_graph_does_not_take_is_refused_before_a_run_is_made():
+    """LangGraph reads the input as the run's first superstep will, up to its first node
+    (which does not run): a run made of it failed on the worker instead."""
+    before = Run.objects.count()
+    for bad in ("hello", [1, 2]):
+        with pytest.raises(SchemaViolation, match="input of agent lg-refund: the graph does not"):
+            operations.start("lg-refund", bad)
+    assert Run.objects.count() == before
+    run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
+    assert run.status == RunStatus.QUEUED
 
 
 def refunded(approve: bool = True):
@@ -389,17 +413,16 @@ def test_a_graph_executed_off_the_main_thread_runs_the_same(ledger):
 
 
 @pytest.mark.parametrize("where", ["interrupt_before", "interrupt_after"])
-def test_a_graph_compiled_with_static_breakpoints_fails_the_run_naming_why(where):
+def test_a_graph_compiled_with_static_breakpoints_is_refused_naming_why(where):
     """Each execution runs one superstep and stops: a static breakpoint would be passed by
-    silently. The run fails at its first step saying what to use instead, paying nothing."""
+    silently. Starting a run is refused, saying what to use instead; nothing is made."""
     agent("lg-breakpoints", lambda: graphs.support_graph(1).compile(**{where: ["tools"]}))
     try:
-        run = operations.start("lg-breakpoints", graphs.first_input())
-        done = drive(run.id)
-        assert done.status == RunStatus.FAILED
-        assert "compiled with interrupt_before or interrupt_after" in done.error
-        assert "interrupt() in the node" in done.error
-        assert done.head_seq == 0
+        with pytest.raises(AgentDefinitionError) as refused:
+            operations.start("lg-breakpoints", graphs.first_input())
+        assert "compiled with interrupt_before or interrupt_after" in str(refused.value)
+        assert "interrupt() in the node" in str(refused.value)
+        assert not Run.objects.filter(agent="lg-breakpoints").exists()
     finally:
         registry.unregister("lg-breakpoints")
 

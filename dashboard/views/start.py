@@ -152,8 +152,10 @@ def _agent_choices(agents: list[Agent]) -> list[tuple[str, str]]:
 
 
 def _levels(agent: Agent | None) -> list[tuple[str, str]]:
+    """The levels a run of ``agent`` may be started with: a graph's refuses ``periodic``."""
     own = f"the agent's own ({agent.durability})" if agent is not None else "the agent's own"
-    return [("", own), *Durability.choices]
+    refused = agent.refused_levels if agent is not None else {}
+    return [("", own), *((v, label) for v, label in Durability.choices if v not in refused)]
 
 
 def _context(
@@ -168,6 +170,7 @@ def _context(
         "notice": notice,
         "not_operator": NOT_OPERATOR,
         "schema": json.dumps(schema, indent=2, sort_keys=True) if schema else "",
+        "graph": getattr(chosen, "langgraph_state", False),
         "example": _prefill(chosen) if schema else "",
     }
 

@@ -109,19 +109,20 @@ class GraphAgent(Agent):
 
     # Its checkpoints hold the saver's document: the dashboard decodes them the same way.
     langgraph_state = True
+    # The periodic level commits held steps from inside an effect or a wait, which a graph's
+    # node may call from one of LangGraph's threads; and a superstep is the graph's own unit
+    # of work: strict, relaxed or replicated, for the agent and for any run of it.
+    refused_levels = {
+        "periodic": "a graph checkpoints every superstep; durability 'periodic' is for native"
+        " agents"
+    }
 
     def __init__(self, name: str, build: Callable[[], Any], **options: Any) -> None:
         if not callable(build):
             raise AgentDefinitionError(f"agent {name}: build must be a function making a graph")
         level = options.get("durability", "strict")
-        if getattr(level, "level", level) == "periodic":
-            # The periodic level commits held steps from inside an effect or a wait, which
-            # a graph's node may call from one of LangGraph's threads; and a superstep is
-            # the graph's own unit of work: strict, relaxed or replicated.
-            raise AgentDefinitionError(
-                f"agent {name}: a graph checkpoints every superstep; durability 'periodic'"
-                " is for native agents"
-            )
+        if why := self.refused_levels.get(getattr(level, "level", level)):
+            raise AgentDefinitionError(f"agent {name}: {why}")
         self.build = build
         self._graph: Any = None
         self._lock = threading.Lock()
@@ -168,6 +169,24 @@ class GraphAgent(Agent):
         thread: Any = {"configurable": {"thread_id": "values", "checkpoint_ns": ""}}
         seed(saver, thread, state)
         return self.graph(saver).get_state(thread).values
+
+    def initial_state(self, input: Any) -> dict:
+        """The run's first state, once LangGraph has taken ``input`` as the graph's first
+        values: the graph is invoked on it up to its first node (which does not run, so
+        nothing of the graph's own runs), as the run's first superstep will be. Input the
+        graph refuses (a value that is not its state's, a message its reducer cannot read)
+        is refused here, before a run is made, rather than by the run's first step."""
+        state = super().initial_state(input)
+        thread: Any = {"configurable": {"thread_id": "input", "checkpoint_ns": ""}}
+        try:
+            self.graph(StepSaver()).invoke(state["input"], thread, interrupt_before="*")
+        except AgentDefinitionError:
+            raise  # the graph itself cannot be made: no input would do
+        except Exception as exc:  # noqa: BLE001 - whatever LangGraph refuses the input with
+            raise SchemaViolation(
+                f"input of agent {self.name}: the graph does not take it ({_said(exc)})"
+            ) from None
+        return state
 
     def validate(self, state: Any) -> None:
         """The agent's checks, and the document's shape: an edited state (a fork, an

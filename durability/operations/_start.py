@@ -34,6 +34,8 @@ def start(
     definition, input_bytes, state_bytes, input_hash = _prepared(agent, input)
     first = definition.first_step
     level = check_durability(durability or definition.durability)
+    if why := definition.refused_levels.get(level):
+        raise InvalidInput(f"agent {definition.name}: {why}; nothing was started")
     if idempotency_key:
         if len(idempotency_key) > 255:
             raise InvalidInput("an idempotency key is at most 255 characters")

@@ -66,6 +66,10 @@ class Command(BaseCommand):
                 ),
             ):
                 self._dispatch(action, opts)
+        except BrokenPipeError:
+            # The reader stopped reading (``| head``): what it read is all it wanted. The
+            # rest of the output goes nowhere, so that flushing it at exit fails no more.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OperationalError, InterfaceError) as exc:
             error = DatabaseUnavailable(
                 f"the database cannot be reached ({dispatch.why(exc)}); check DATABASE_URL"
