@@ -12,7 +12,7 @@ from ninja import Query, Router
 from api import common
 from api.runs import READ
 from api.schemas import CallPage, EffectPage, EventPage, SloOut, SloPerAgentOut
-from durability import operations, slo
+from durability import events, operations, slo
 from durability.models import Effect, Event, JournalEntry
 from durability.redact import redact
 
@@ -121,6 +121,7 @@ def calls(
     """The run's journaled calls (LLM and tool results), newest first, secrets redacted."""
     common.reader(request)
     run = operations.get_run(run_id[:64])
+    replays = events.replay_counts(run.pk)
 
     def shape(j: JournalEntry) -> dict:
         return {
@@ -132,7 +133,7 @@ def calls(
             "function": j.function,
             "result": _data(j.result),
             "duration_ms": j.duration_ms,
-            "replays": j.replays,
+            "replays": replays[j.id],
             "created_at": j.created_at,
         }
 

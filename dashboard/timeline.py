@@ -16,6 +16,7 @@ from django.utils.dateparse import parse_datetime
 from dashboard import params
 from dashboard.timeline_events import DESCRIBE, human_bytes, human_ms  # noqa: F401 (template filters)
 from durability import canonical
+from durability.events import replay_counts
 from durability.models import (
     CallKind,
     Effect,
@@ -177,7 +178,8 @@ def _event_items(e: Event) -> list[Item]:
     return [*items, event]
 
 
-def _call_item(j: JournalEntry) -> Item:
+def _call_item(j: JournalEntry, replays: int = 0) -> Item:
+    """``replays``: how many times its step ran again and was served its record."""
     meta = canonical.loads_object(j.meta)
     title = f"call {j.key}" if j.kind == CallKind.CALL else f"{j.get_kind_display()}()"
     item = Item(
@@ -202,8 +204,8 @@ def _call_item(j: JournalEntry) -> Item:
     if any(t is not None for t in tokens):
         total = sum(int(t) for t in tokens if isinstance(t, int | float))
         item.facts.append(("tokens", f"{total} ({tokens[0]} in, {tokens[1]} out)"))
-    if j.replays:
-        item.facts.append(("replayed", f"{j.replays}x"))
+    if replays:
+        item.facts.append(("replayed", f"{replays}x"))
     return item
 
 
@@ -330,7 +332,9 @@ def latest(run: Run, limit: int = PAGE, before: tuple[datetime, int, int] | None
     jl = list(calls.order_by("-created_at", "-id")[: limit + 1])
     ef = list(effects.order_by("-created_at", "-id")[: limit + 1])
     done = list(done_rows.order_by("-completed_at", "-id")[: limit + 1])
-    items = [i for e in ev for i in _event_items(e)] + [_call_item(j) for j in jl]
+    replays = replay_counts(run.pk) if jl else {}
+    items = [i for e in ev for i in _event_items(e)]
+    items += [_call_item(j, replays.get(j.id, 0)) for j in jl]
     items += [_effect_item(f) for f in ef] + [_effect_done_item(f) for f in done]
     items.sort(key=lambda i: i.key)
     more = len(items) > limit

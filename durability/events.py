@@ -11,6 +11,7 @@ The step commit writes its own events inside its one statement (``checkpoints``)
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from durability import acting, canonical
@@ -69,6 +70,21 @@ def _with_replays(data: dict, replayed: list | None) -> dict:
     if replayed:
         data["replayed"] = replayed
     return data
+
+
+def replay_counts(run_id: Any) -> Counter[int]:
+    """How many times each journaled call of the run was replayed (its recorded result
+    served when its step ran again, after a crash or a retry), by journal entry id: counted
+    from the events that close those steps, which name the calls they replayed
+    (``replayed``), so that counting costs the step nothing."""
+    counts: Counter[int] = Counter()
+    rows = Event.objects.filter(run_id=run_id, data__contains='"replayed"')
+    for data in rows.values_list("data", flat=True):
+        found = canonical.loads_object(data).get("replayed")
+        for pair in found if isinstance(found, list) else []:
+            if isinstance(pair, list) and pair and isinstance(pair[0], int):
+                counts[pair[0]] += 1
+    return counts
 
 
 # --- operators and the engine's operations ---------------------------------------------------

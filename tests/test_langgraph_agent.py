@@ -13,7 +13,8 @@ from django.test import Client
 from django.urls import reverse
 from langgraph.checkpoint.memory import InMemorySaver
 
-from durability import operations, registry
+from dashboard import timeline
+from durability import events, operations, registry
 from durability.errors import AgentDefinitionError, InvalidInput, SchemaViolation, UnknownAgent
 from durability.langgraph import agent, journaled
 from durability.models import (
@@ -91,6 +92,14 @@ def test_a_superstep_run_again_replays_its_journaled_tools(ledger, faults):
     assert done.status == RunStatus.SUCCEEDED, done.error
     assert graphs.values_of(run.id) == reference()
     assert len(paid(ledger, run.id)) == 2 * graphs.TURNS
+    # Each journaled call of that superstep was served from its record once: what the API's
+    # calls and the timeline's "replayed" say (counted from the events that name them).
+    replays = events.replay_counts(run.id)
+    tools = JournalEntry.objects.filter(run=run, step="graph", kind="call")
+    again = [j for j in tools if replays[j.id]]
+    assert again and all(replays[j.id] == 1 for j in again), replays
+    items = timeline.latest(run).items
+    assert any(("replayed", "1x") in item.facts for item in items)
 
 
 def test_a_journaled_tool_outside_a_worker_just_runs():

@@ -49,7 +49,6 @@ class JournalEntry(models.Model):
     duration_ms = models.FloatField(default=0)
     # What is known of an LLM call (model, tokens), for the timeline and traces.
     meta = models.TextField(blank=True, default="")
-    replays = models.IntegerField(default=0)
     # In a what-if fork: the source run's record this one reused instead of calling again.
     reused_from = models.BigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

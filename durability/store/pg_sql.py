@@ -82,10 +82,10 @@ SYNCHRONOUS_COMMIT = {"relaxed": "off", "replicated": "remote_apply"}
 JOURNAL_INSERT = """
 INSERT INTO durability_journalentry
     (run_id, base_id, key, occurrence, kind, step, function, args_hash, result, duration_ms,
-     meta, replays, reused_from, created_at)
+     meta, reused_from, created_at)
 VALUES (%(run)s::uuid, %(base)s::bigint, %(key)s::text, %(occurrence)s::integer,
         %(kind)s::text, %(step)s::text, %(function)s::text, %(args_hash)s::text,
-        %(result)s::text, %(duration_ms)s::float8, %(meta)s::text, 0,
+        %(result)s::text, %(duration_ms)s::float8, %(meta)s::text,
         %(reused_from)s::bigint, now())
 ON CONFLICT ON CONSTRAINT journal_identity DO NOTHING
 RETURNING id, created_at

@@ -317,7 +317,7 @@ class PostgresStore(Store):
             )
         # The caller's own entry, as the manager's save() leaves it: its id and time filled in
         # (callers tell a new record from an earlier one by identity).
-        entry.pk, entry.created_at, entry.replays = row[0], row[1], 0
+        entry.pk, entry.created_at = row[0], row[1]
         return entry
 
     # --- liveness locks and leases ---------------------------------------------------------
