@@ -239,3 +239,14 @@ def test_a_process_that_did_not_set_django_up_is_told_how():
         " DJANGO_SETTINGS_MODULE (config.settings, with DATABASE_URL) and call django.setup()"
         " before using DurableSaver (see docs/langgraph.md)"
     )
+
+
+def test_an_error_of_several_lines_is_one_row_of_the_list():
+    """LangGraph's errors add a link on a second line: the list keeps one row a run."""
+    run = operations.start("research", {"question": "What is a fencing token?"}, by="ann")
+    error = "InvalidUpdateError: Expected dict, got hello\nFor troubleshooting, visit: https://x"
+    Run.objects.filter(pk=run.pk).update(status="failed", error=error)
+    rows = command("list").splitlines()
+    line = next(row for row in rows if row.startswith(run.short_id))
+    assert line.endswith("InvalidUpdateError: Expected dict, got hello For troubleshoo"), line
+    assert not any(row.startswith("For troubleshooting") for row in rows)

@@ -189,6 +189,9 @@ class Command(BaseCommand):
                 waiting = f"[{graphs[run.pk]}] {run.wait_detail[:60]}".strip()
             if run.status == RunStatus.FAILED:
                 waiting = run.error[:60]
+            # One row a run: an error or a wait of several lines (LangGraph's add a link on
+            # their second) on one.
+            waiting = " ".join(waiting.split())
             self.say(
                 f"{run.short_id:<10}{agent:<{wide}}"
                 f"{run.status:<11}{(run.step or '-')[:13]:<14}{run.head_seq + 1:>6}  "
