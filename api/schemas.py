@@ -187,8 +187,11 @@ class ApprovalPage(Schema):
 class DecisionIn(Schema):
     approve: bool
     comment: Text = Field("", max_length=2000)
-    payload: dict[str, JSON] | None = Field(
-        None, description="approve with edits: the corrected payload (its editable fields)"
+    payload: JSON = Field(
+        None,
+        description="approve with edits: the corrected payload; of an object, only the fields"
+        " it changes (the rest keep their asked values); any JSON value where the approval"
+        " asked one (a LangGraph interrupt's text, say)",
     )
 
 

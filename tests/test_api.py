@@ -277,6 +277,11 @@ def test_approve_with_edits_then_the_run_finishes_with_them(operator_api):
         headers={"If-Match": f'"{card["run_version"]}"'},
     )
     assert problem(wrong, 422, "DUR113")["field"] == "amount_eur"
+    # A payload that is not an object reaches the engine, which says why it is refused.
+    flat = operator_api.post(
+        f"/approvals/{card['id']}/decision", {"approve": True, "payload": "ship it"}
+    )
+    assert "must be an object" in problem(flat, 422, "DUR113")["detail"]
     assert counts() == before
     decided = operator_api.post(
         f"/approvals/{card['id']}/decision",
