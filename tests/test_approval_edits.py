@@ -352,3 +352,13 @@ def test_without_a_schema_an_edit_may_give_only_what_it_changes_and_keeps_the_ty
     done = drive(run.id)
     assert done.status == RunStatus.SUCCEEDED
     assert state_of(done)["payload"] == {"order_id": "A-1", "amount_eur": 50, "note": "partial"}
+
+
+def test_show_says_what_a_pending_approval_asks():
+    run = _waiting()
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), stdout=out)
+    lines = out.getvalue().splitlines()
+    at = lines.index("approvals:")
+    assert lines[at + 1].split() == ["refund", "pending"]
+    assert lines[at + 2].startswith('    asks: {"amount_eur":349.0,'), lines[at + 2]

@@ -149,7 +149,9 @@ def _approvals(say: Say, approvals: list[Approval]) -> None:
     say("approvals:")
     for a in approvals:
         who = f" by {a.decided_by}" if a.decided_by else ""
-        say(f"  {a.name:<14} {a.status:<10}{who} {a.comment}")
+        say(f"  {a.name:<14} {a.status:<10}{who} {a.comment}".rstrip())
+        if a.status == "pending":  # what the operator is asked to decide (secrets redacted)
+            say(f"    asks: {a.payload[:300]}{'...' if len(a.payload) > 300 else ''}")
         changed = edits.describe(edits.stored_changes(a))
         if changed:
             say(f"    with edits: {changed}")
