@@ -13,6 +13,7 @@ from django.db.models import F
 from dashboard import diffview, present, states
 from dashboard.conf import conf
 from durability import canonical
+from durability.events import replay_counts
 from durability.models import (
     FINISHED,
     Approval,
@@ -263,6 +264,9 @@ def inspector(run: Run, cp: Checkpoint, tab: str) -> Inspector:
             view.effects_by = list(effects.filter(base_id=cp.parent_id))
         view.made_from = list(journal.filter(base=cp))
         view.effects_from = list(effects.filter(base=cp))
+        replays = replay_counts(run.pk) if view.produced_by or view.made_from else {}
+        for j in (*view.produced_by, *view.made_from):
+            j.replays = replays.get(j.id, 0)  # type: ignore[attr-defined]
         view.approvals = list(Approval.objects.filter(run=run, base=cp).order_by("id"))
         for approval in view.approvals:
             approval.view = payload_view(approval.payload)  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 from langgraph.checkpoint.memory import InMemorySaver
 
-from dashboard import timeline
+from dashboard import runinfo, timeline
 from durability import events, operations, registry
 from durability.errors import AgentDefinitionError, InvalidInput, SchemaViolation, UnknownAgent
 from durability.langgraph import agent, journaled
@@ -100,6 +100,10 @@ def test_a_superstep_run_again_replays_its_journaled_tools(ledger, faults):
     assert again and all(replays[j.id] == 1 for j in again), replays
     items = timeline.latest(run).items
     assert any(("replayed", "1x") in item.facts for item in items)
+    # And the checkpoint page's calls tab, on the checkpoint the superstep started from.
+    base = Checkpoint.objects.get(pk=again[0].base_id)
+    shown = runinfo.inspector(run, base, "calls").made_from
+    assert [j.replays for j in shown if j.id == again[0].id] == [1]
 
 
 def test_a_journaled_tool_outside_a_worker_just_runs():
