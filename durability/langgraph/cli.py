@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from durability import operations
+from durability import canonical, operations
 from durability.errors import DurabilityError
 from durability.langgraph import describe
 from durability.langgraph.runs import BADGE, outside_workers, outside_workers_among
@@ -82,10 +82,7 @@ def _copied_from(run: Run) -> dict[str, Any] | None:
     data = (
         Event.objects.filter(run=run, kind=EventKind.CREATED).values_list("data", flat=True).first()
     )
-    try:
-        found = json.loads(data or "{}").get("copied_from")
-    except (ValueError, AttributeError):
-        return None
+    found = canonical.loads_object(data or "").get("copied_from")
     return found if isinstance(found, dict) else None
 
 
