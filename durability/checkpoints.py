@@ -105,11 +105,13 @@ def seal(state_hash: str, state_bytes: bytes) -> str:
     return canonical.seal(state_hash, state_bytes, hmac_key())
 
 
-def chain_of(cp: Checkpoint, parent_chain: str) -> str:
+def chain_of(cp: Checkpoint, parent_chain: str, *, run_id: Any = None) -> str:
+    """``cp``'s chain hash on ``parent_chain``; ``run_id``: as a checkpoint of that run
+    rather than of its own (a copy of it in another run)."""
     return link(
         parent_chain,
         cp.state_hash,
-        run_id=cp.run_id,
+        run_id=cp.run_id if run_id is None else run_id,
         seq=cp.seq,
         step=cp.step,
         next_step=cp.next_step,
