@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit, urlunsplit
@@ -23,8 +21,8 @@ from durability.langgraph import DurableSaver
 from durability.langgraph.models import Thread
 from durability.langgraph.runs import outside_workers
 from durability.models import Run
+from tests import conftest
 from tests import langgraph_graphs as graphs
-from tests.procs import ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
 
@@ -177,15 +175,12 @@ def test_a_thread_on_legal_hold_is_not_deleted():
 def test_a_database_never_migrated_is_met_with_how_to_migrate_it(vendor, tmp_path):
     """A new user's first invoke on a database without the product's tables: the error
     names the command that makes them."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "PYTHONPATH")}
-    env.update(DJANGO_SETTINGS_MODULE="config.settings", DURABILITY_VAR_DIR=str(tmp_path))
-    env.setdefault("SECRET_KEY", "x")
     name = f"unmigrated_{uuid.uuid4().hex[:8]}"
+    url = f"sqlite:///{tmp_path / 'db.sqlite3'}"  # a file no migration has run on
     if vendor == "postgresql":
         if connection.vendor != "postgresql":
             pytest.skip("PostgreSQL's own message: run on PostgreSQL")
-        url = urlsplit(os.environ["DATABASE_URL"])
-        env["DATABASE_URL"] = urlunsplit(url._replace(path=f"/{name}"))
+        url = urlunsplit(urlsplit(conftest.test_database_url())._replace(path=f"/{name}"))
         with connection.cursor() as cur:
             cur.execute(f"CREATE DATABASE {name}")
     script = (
@@ -193,14 +188,13 @@ def test_a_database_never_migrated_is_met_with_how_to_migrate_it(vendor, tmp_pat
         "from durability.langgraph import DurableSaver\n"
         "DurableSaver().get_tuple({'configurable': {'thread_id': 't'}})\n"
     )
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
+    try:  # the user's settings, not the tests'
+        done = conftest.python_on_test_database(
+            script,
+            DJANGO_SETTINGS_MODULE="config.settings",
+            DATABASE_URL=url,
+            DURABILITY_VAR_DIR=str(tmp_path),
+            SECRET_KEY=os.environ.get("SECRET_KEY", "x"),
         )
     finally:
         if vendor == "postgresql":
