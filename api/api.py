@@ -36,6 +36,7 @@ api = DurabilityAPI(
     version="1",
     description=DESCRIPTION,
     auth=TokenAuth(),
+    parser=problems.JsonBody(),
     urls_namespace="api-v1",
     docs_url="/docs",
     openapi_url="/openapi.json",

@@ -10,9 +10,12 @@ import logging
 from typing import Any
 
 import orjson
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
 
 from durability.errors import (
     AlreadyDecided,
@@ -50,7 +53,10 @@ TITLES = {
     401: "Not signed in",
     403: "Not allowed",
     404: "Not found",
+    405: "Method not allowed",
     409: "Conflict",
+    413: "Body too large",
+    415: "Not JSON",
     422: "Invalid input",
     429: "Too many requests",
     500: "Engine error",
@@ -138,9 +144,72 @@ def _field_of(error: dict[str, Any]) -> str:
 def from_validation(request: HttpRequest, exc: ValidationError) -> HttpResponse:
     first = exc.errors[0] if exc.errors else {}
     field = _field_of(first)
+    if first.get("type") == "extra_forbidden":
+        # A misspelt name is the likely cause: ignoring it would do something else than asked.
+        detail = f"unknown field {field!r}: nothing was done; see the OpenAPI document's schema"
+        return response(422, "API422", detail, field=field)
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "missing" and len(loc) == 2 and loc[0] == "body":
+        detail = (
+            "this request needs a JSON object as its body ({} takes every field's default);"
+            " nothing was done"
+        )
+        return response(422, "API422", detail)
     message = str(first.get("msg", "invalid input"))
     detail = f"{field}: {message}" if field else message
     return response(422, "API422", detail, field=field)
+
+
+class JsonBody(Parser):
+    """A request body is a JSON object sent as JSON: another media type (a form, plain
+    text) is refused rather than read as JSON by chance, and so is a list or a number,
+    with a sentence saying which (``from_http`` answers with the ``Problem`` raised here)."""
+
+    def parse_body(self, request: HttpRequest) -> dict[str, Any]:
+        media = request.content_type or ""
+        if media != "application/json" and not media.endswith("+json"):
+            raise Problem(
+                415,
+                "API415",
+                f"the body must be JSON, sent with Content-Type: application/json (it came"
+                f" as {media or 'no content type'}); nothing was done",
+                field="Content-Type",
+            )
+        try:
+            data = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
+            raise Problem(400, "API400", f"the body is not JSON ({exc}); nothing was done") from exc
+        if not isinstance(data, dict):
+            raise Problem(
+                422,
+                "API422",
+                f"the body must be a JSON object of named fields, not {_json_kind(data)};"
+                " nothing was done",
+            )
+        return data
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool) or value is None:
+        return orjson.dumps(value).decode()
+    return "a number"
+
+
+def body_limit() -> int:
+    """The largest request body read, in bytes (Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``)."""
+    return int(settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 0)
+
+
+def from_too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    return response(
+        413,
+        "API413",
+        f"the body is larger than this server reads ({body_limit():,} bytes); nothing was done",
+    )
 
 
 def from_auth(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
@@ -154,6 +223,10 @@ def from_auth(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
 
 
 def from_http(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    if isinstance(exc.__cause__, Problem):  # the body refused by ``JsonBody``
+        return from_problem(request, exc.__cause__)
+    if isinstance(exc.__cause__, RequestDataTooBig):
+        return from_too_big(request, exc.__cause__)
     return response(exc.status_code, f"API{exc.status_code}", str(exc))
 
 
@@ -195,3 +268,4 @@ def install(api: Any) -> None:
     api.add_exception_handler(AuthenticationError, from_auth)
     api.add_exception_handler(HttpError, from_http)
     api.add_exception_handler(Http404, from_404)
+    api.add_exception_handler(RequestDataTooBig, from_too_big)

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from ninja import Field, Schema
-from pydantic import AfterValidator
+from pydantic import AfterValidator, ConfigDict
 
 from durability.models import RunStatus
 
@@ -22,6 +22,14 @@ def _no_nul(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_no_nul)]
+
+
+class Body(Schema):
+    """A request body: a field it does not know is refused, not ignored (a misspelt
+    ``dry_run`` would otherwise roll back for real), and values are taken as the JSON types
+    they are declared as (``"yes"`` is no ``true``, ``"3"`` no checkpoint number)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ProblemOut(Schema):
@@ -138,7 +146,7 @@ class RunPage(Schema):
     next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page")
 
 
-class StartIn(Schema):
+class StartIn(Body):
     agent: Text = Field(..., min_length=1, max_length=200)
     input: JSON = None
     reason: Text = Field("", max_length=2000)
@@ -151,7 +159,7 @@ EXPECTED_STATUS = (
 )
 
 
-class ReasonIn(Schema):
+class ReasonIn(Body):
     reason: Text = Field("", max_length=2000)
 
 
@@ -168,7 +176,11 @@ class ApprovalOut(Schema):
     status: str
     payload: JSON
     edited_payload: JSON = None
-    editable: list[str] | None = Field(None, description="fields an edit may change")
+    editable: list[str] | None = Field(
+        None,
+        description="the fields an edit may change; null: any (typed by its asked value);"
+        " empty: none, approve or reject as asked",
+    )
     group: str = Field(..., description="the policy group that decides (empty: operators)")
     may_decide: bool = Field(..., description="whether the caller may decide it")
     run_version: int = Field(..., description="send it back as If-Match to decide")
@@ -184,7 +196,7 @@ class ApprovalPage(Schema):
     next_cursor: str | None = None
 
 
-class DecisionIn(Schema):
+class DecisionIn(Body):
     approve: bool
     comment: Text = Field("", max_length=2000)
     payload: JSON = Field(
@@ -195,7 +207,7 @@ class DecisionIn(Schema):
     )
 
 
-class MessageIn(Schema):
+class MessageIn(Body):
     name: Text = Field(..., min_length=1, max_length=200)
     data: JSON = None
     reason: Text = Field("", max_length=2000)
@@ -259,7 +271,7 @@ class VerifyOut(Schema):
     problems: list[str]
 
 
-class RollbackIn(Schema):
+class RollbackIn(Body):
     checkpoint: int = Field(..., ge=0, le=2**31 - 1, description="the checkpoint number")
     reason: Text = Field("", max_length=2000)
     dry_run: bool = Field(False, description="only say what it would do; change nothing")
@@ -305,19 +317,19 @@ class RollbackOut(Schema):
     run: RunDetailOut | None
 
 
-class ForkIn(Schema):
+class ForkIn(Body):
     checkpoint: int = Field(..., ge=0, le=2**31 - 1)
     state: dict[str, JSON] | None = Field(None, description="an edited state (validated)")
     what_if: bool = False
     reason: Text = Field("", max_length=2000)
 
 
-class HoldIn(Schema):
+class HoldIn(Body):
     hold: bool = Field(..., description="true: put on legal hold; false: release it")
     reason: Text = Field("", max_length=2000)
 
 
-class ResolveIn(Schema):
+class ResolveIn(Body):
     outcome: Text = Field(..., pattern="^(done|failed|retry)$")
     result: JSON = None
     note: Text = Field("", max_length=2000)

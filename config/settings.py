@@ -87,6 +87,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # The API's 404 and 405 answered as its other refusals are (problem+json).
+    "api.middleware.problem_replies",
     # Last, as its documentation asks: it turns a locked-out sign-in into its answer.
     "axes.middleware.AxesMiddleware",
 ]
@@ -308,6 +310,11 @@ CELERY_BEAT_SCHEDULE = {
 # --- The engine -----------------------------------------------------------------------------
 # Its settings (leases, limits, blobs, keys, metrics, SLO targets...) are declared in
 # durability/conf.py and applied from the environment above; docs/configuration.md lists them.
+
+# Request bodies up to the largest state the engine accepts (a fork's edited state, sent to
+# the API or the dashboard), with room for the other fields; Django's own 2.5 MB would refuse
+# states the engine takes. Larger bodies: 413 from the API.
+DATA_UPLOAD_MAX_MEMORY_SIZE = Engine.MAX_STATE_BYTES.value_in(globals()) + 1024 * 1024
 
 # Earlier SECRET_KEYs Django (and argument hashes without DURABILITY_HMAC_KEY) still accept.
 SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])

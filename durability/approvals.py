@@ -17,7 +17,9 @@ that cannot be found there is a refusal that says so, never a silent approval.
 
 Without ``editable`` every field stays editable, typed by its asked value, as before; an
 agent that names its editable fields gets only those on the form, the others read-only, and
-a decision that changes a read-only field is refused.
+a decision that changes a read-only field is refused. ``editable=False``: nothing may be
+edited, the approval is approved or rejected as asked (the engine's own question before
+repeating an effect is one: what it performs is what it showed).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from durability.errors import InvalidInput
 from durability.redact import is_secret_key
 
 CHECK_KEY = "x-durability-check"
+# Stored for ``editable=False``: no field may be edited.
+READ_ONLY_KEY = "x-durability-read-only"
 # One change's value as shown in an event and the audit log; the full payloads stay on the
 # approval row.
 SHOWN_CHARS = 200
@@ -56,6 +60,12 @@ def spec_for(
     the check cannot be used: that is a bug in the agent, found on the first ask."""
     if editable is None and validate is None:
         return ""
+    if editable is False:
+        if validate is not None:
+            raise ValueError(
+                f"approval {name!r}: validate checks edits, and editable=False allows none"
+            )
+        return canonical.dumps({READ_ONLY_KEY: True}).decode()
     schema: dict[str, Any] = {}
     if editable is not None:
         schema = _as_json_schema(name, editable)
@@ -165,10 +175,17 @@ def load_spec(text: str) -> dict[str, Any] | None:
 
 def editable_fields(text: str) -> list[str] | None:
     """The fields an operator may edit, in the agent's order; None: all of them (the agent
-    did not say)."""
+    did not say); empty: none (``editable=False``)."""
     spec = load_spec(text)
+    if spec and spec.get(READ_ONLY_KEY):
+        return []
     fields = spec.get("properties") if spec else None
     return list(fields) if isinstance(fields, dict) else None
+
+
+def takes_edits(text: str) -> bool:
+    """Whether an operator may approve with edits at all (not ``editable=False``)."""
+    return editable_fields(text) != []
 
 
 def field_schemas(text: str) -> dict[str, dict[str, Any]]:
@@ -227,6 +244,12 @@ def check_edit(approval: Any, agent_name: str, asked: Any, edited: Any) -> None:
         _check_kinds(approval.name, asked, edited, approval.run_id)
         return
     run_id, name = approval.run_id, approval.name
+    if spec.get(READ_ONLY_KEY):
+        raise EditRefused(
+            f"approval {name!r} cannot be edited: approve it as asked, or reject it; nothing"
+            " was recorded",
+            run_id=run_id,
+        )
     fields = spec.get("properties")
     if isinstance(fields, dict):
         if not isinstance(edited, dict) or not isinstance(asked, dict):

@@ -226,6 +226,16 @@ def wake(run_id: Any, reason: str | None = None) -> bool:
     )
 
 
+def decided(run_id: Any) -> None:
+    """A decision on the run's approval moves its version, as an operator's transition does
+    (an action sent with the version seen before it is refused as stale), unless a worker
+    executes the run: its lease is fenced with that token, and the decision reaches its step
+    without taking the lease."""
+    Run.objects.filter(pk=run_id).exclude(status=RunStatus.RUNNING).update(
+        lease_token=F("lease_token") + 1, updated_at=Now()
+    )
+
+
 def park(run_id: Any, reason: str, detail: str, until: datetime) -> bool:
     """Leave a queued run queued until ``until``, saying why it does not start now."""
     return _apply(

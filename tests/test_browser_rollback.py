@@ -90,6 +90,9 @@ def test_roll_back_the_refund_run_and_nothing_is_paid_twice_without_a_second_dec
     expect(card).to_contain_text("refund 89 EUR on order A-1001 was done on the abandoned branch;")
     expect(card).to_contain_text("perform refund 89 EUR on order A-1001?")
     expect(card).to_contain_text("to perform now")
+    # Approved or rejected as asked: what it performs is what it shows.
+    expect(card).to_contain_text("approved or rejected as asked: it takes no edits")
+    expect(card.locator("a", has_text="Approve with edits")).to_have_count(0)
     assert outbox() == (1, 1)
 
     # The second decision: exactly one more refund, then the email is asked about too.

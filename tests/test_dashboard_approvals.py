@@ -54,6 +54,21 @@ def test_decided_approvals_leave_the_inbox_for_the_recent_list(as_operator):
     assert "0 waiting" in html and "Recently decided" in html and "not today" in html
 
 
+def test_an_approval_asked_without_edits_offers_none(as_operator):
+    run = waiting_run("As asked?")
+    approval = Approval.objects.get(run=run)
+    Approval.objects.filter(pk=approval.pk).update(editable='{"x-durability-read-only":true}')
+    html = text_of(as_operator.get(INBOX))
+    assert "approved or rejected as asked: it takes no edits" in html
+    assert f'href="{reverse("dashboard:approval", args=[approval.pk])}"' not in html
+    form = as_operator.get(reverse("dashboard:approval", args=[approval.pk]))
+    assert form.status_code == 409 and "takes no edits" in text_of(form)
+    posted = as_operator.post(reverse("dashboard:approval", args=[approval.pk]), {"f0": "x"})
+    assert posted.status_code == 409
+    approval.refresh_from_db()
+    assert approval.is_pending and not approval.edited_payload
+
+
 def test_viewer_sees_the_inbox_without_buttons_that_act(as_viewer):
     waiting_run("Viewer?")
     html = text_of(as_viewer.get(INBOX))

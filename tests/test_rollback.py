@@ -15,6 +15,7 @@ from django.core.management import call_command
 
 from dashboard import timeline
 from durability import operations, rollbacks
+from durability.approvals import EditRefused
 from durability.errors import EffectFailed, InvalidInput, InvalidTransition
 from durability.models import (
     AbandonedEffect,
@@ -130,6 +131,25 @@ def test_approving_the_second_decision_performs_it_once_with_a_new_key(refunded,
     assert (sent(receiver, "refund"), sent(receiver, "email")) == (2, 2)
     assert set(receiver.requests.values()) == {1}
     assert state_of(refunded.id)["amount"] == 200.0
+
+
+def test_the_second_decision_is_approved_as_asked_never_edited(refunded, receiver, price):
+    """What it performs is what it shows: an edit would be recorded and not performed."""
+    price.write_text("200")
+    operations.rollback(refunded.id, 0, by="ann", and_continue=True)
+    drive(refunded.id)
+    asked = Approval.objects.get(run=refunded, name=REPEAT_REFUND, status=ApprovalStatus.PENDING)
+    assert not asked.takes_edits
+    edit = {"to perform now": {"arguments": [["A1", 5000.0], {}]}}
+    with pytest.raises(EditRefused, match="cannot be edited: approve it as asked, or reject"):
+        operations.decide(refunded.id, name=REPEAT_REFUND, approve=True, by="bob", payload=edit)
+    asked.refresh_from_db()
+    assert asked.status == ApprovalStatus.PENDING and not asked.edited_payload
+    # Sent back unchanged, it is no edit.
+    same = operations.canonical.loads(asked.payload)
+    operations.decide(refunded.id, name=REPEAT_REFUND, approve=True, by="bob", payload=same)
+    asked.refresh_from_db()
+    assert asked.status == ApprovalStatus.APPROVED and not asked.edited_payload
 
 
 def test_rejecting_the_second_decision_fails_the_run_and_performs_nothing(refunded, receiver):

@@ -110,6 +110,14 @@ def approve_with_edits(request: HttpRequest, pk: int) -> HttpResponse:
     """A form with one typed field per key of the payload; the edited payload goes to the
     agent instead of the one it asked with (secret values unchanged)."""
     approval = _approval(pk)
+    if not approval.takes_edits:
+        return _refused(
+            request,
+            approval,
+            f"approval {approval.name!r} takes no edits: approve it as asked, or reject it,"
+            " from the inbox",
+            409,
+        )
     payload = json.loads(approval.payload) if approval.payload else None
     form = PayloadForm(payload, request.POST or None, editable=approval.editable)
     mark_deciders(request.user, [approval])

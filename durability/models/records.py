@@ -233,6 +233,13 @@ class Approval(models.Model):
     def is_pending(self) -> bool:
         return self.status == ApprovalStatus.PENDING
 
+    @property
+    def takes_edits(self) -> bool:
+        """Whether it may be approved with edits (not asked with ``editable=False``)."""
+        from durability.approvals import takes_edits
+
+        return takes_edits(self.editable)
+
 
 class Message(models.Model):
     """A message to a run (a user's next chat turn, a webhook, another agent's reply), kept

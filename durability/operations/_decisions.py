@@ -8,7 +8,7 @@ from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 
-from durability import approvals, canonical, dispatch, events, leases
+from durability import approvals, canonical, dispatch, events, leases, lifecycle
 from durability.errors import (
     AlreadyDecided,
     InvalidInput,
@@ -60,6 +60,7 @@ def decide(
         if changes:
             decided["changes"] = changes
         events.record(events.approval_decided(run, by=by, reason=comment, data=decided))
+        lifecycle.decided(run.id)
         if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
             dispatch.wake(run.id)
         pending.refresh_from_db()
@@ -189,6 +190,7 @@ def expire_approvals(limit: int = 200) -> list[int]:
                     reason="timed out",
                     data={"name": approval.name, "approved": approve, "timeout": True},
                 ).save()
+                lifecycle.decided(run.id)
                 if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.APPROVAL:
                     dispatch.wake(run.id)
             acted.append(approval_id)

@@ -209,7 +209,8 @@ class Effects(Waits):
             "if rejected": "it is not performed; the step gets an error (the run fails"
             " unless the agent handles it)",
         }
-        decision = self.approval(rollbacks.REPEAT_APPROVAL + key, payload)
+        # Approved or rejected as asked: what is performed is what the question shows.
+        decision = self.approval(rollbacks.REPEAT_APPROVAL + key, payload, editable=False)
         if decision:
             return _PERFORM
         raise EffectFailed(

@@ -226,9 +226,10 @@ class Waits:
 
         Approve with edits: ``editable`` (a pydantic model or a JSON Schema of an object)
         names the payload fields an operator may edit and their types; the others are
-        read-only. ``validate(asked, edited)`` returns an error sentence or None and runs
-        when the decision is recorded, in the process that records it: a module-level
-        function in one of the agent's modules (see ``durability.approvals``). An edit that
+        read-only; ``False``: none (approved or rejected as asked). ``validate(asked,
+        edited)`` returns an error sentence or None and runs when the decision is recorded,
+        in the process that records it: a module-level function in one of the agent's
+        modules (see ``durability.approvals``). An edit that
         fails either is refused and nothing is recorded. ``Decision.payload`` is what was
         decided."""
         proof = self._settled(durable=True)
