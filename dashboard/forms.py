@@ -172,6 +172,28 @@ class ForkForm(forms.Form):
         ),
     )
     reason = forms.CharField(max_length=REASON_MAX, required=False, widget=forms.TextInput)
+    # What-if by default: a fork is mostly a question ("what would it have done?"), and a
+    # live one reaches customers, so it takes a second decision (``perform``).
+    mode = forms.ChoiceField(
+        choices=[
+            (
+                "what_if",
+                "What-if: calls that match this run's recorded ones are reused, not paid"
+                " again; effects are recorded, not performed. Nothing reaches a customer.",
+            ),
+            (
+                "live",
+                "Live: a real run. Its calls are made and its effects (payments, emails) are"
+                " performed, under new idempotency keys.",
+            ),
+        ],
+        initial="what_if",
+        required=False,  # a form posted without it: what-if
+        widget=forms.RadioSelect,
+    )
+    perform = forms.BooleanField(
+        required=False, label="Yes, the new run performs its effects for real"
+    )
     token = TokenField()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -183,6 +205,17 @@ class ForkForm(forms.Form):
         if not isinstance(state, dict):
             raise forms.ValidationError("the state must be a JSON object ({...})")
         return state
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        data["mode"] = data.get("mode") or "what_if"
+        if data["mode"] == "live" and not data.get("perform"):
+            self.add_error(
+                "perform",
+                "a live fork performs its effects for real: tick this to confirm, or choose"
+                " what-if",
+            )
+        return data
 
 
 class ResolveForm(forms.Form):

@@ -332,6 +332,41 @@ def test_a_state_that_fails_the_schema_is_shown_inline_and_nothing_is_made(as_op
     assert counts() == before
 
 
+def test_a_fork_is_what_if_unless_a_live_one_is_confirmed(as_operator):
+    run = finished_run("Effects again?")
+    page = text_of(as_operator.get(url("fork", run.id), {"from": 1}))
+    assert "After #1 this run performed" in page and "A live fork that takes the same" in page
+    state = json.dumps(state_of(run.id, 1))
+    before = counts()
+    unconfirmed = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": state, "action": "fork", "mode": "live", "token": str(uuid4())},
+    )
+    assert unconfirmed.status_code == 422
+    assert "a live fork performs its effects for real" in text_of(unconfirmed)
+    assert counts() == before
+    what_if = as_operator.post(
+        url("fork", run.id),
+        {"from_seq": 1, "state": state, "action": "fork", "token": str(uuid4())},
+    )
+    assert what_if.status_code == 302
+    forked = Run.objects.get(forked_from=run)
+    assert forked.what_if and not forked.what_if_live
+    live = as_operator.post(
+        url("fork", run.id),
+        {
+            "from_seq": 1,
+            "state": state,
+            "action": "fork",
+            "mode": "live",
+            "perform": "on",
+            "token": str(uuid4()),
+        },
+    )
+    assert live.status_code == 302
+    assert not Run.objects.filter(forked_from=run).exclude(pk=forked.pk).get().what_if
+
+
 def test_check_asks_the_engine_without_forking(as_operator):
     run = waiting_run("Check?")
     state = state_of(run.id, 1)

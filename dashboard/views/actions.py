@@ -25,7 +25,7 @@ from dashboard.permissions import operator_required
 from dashboard.submissions import AlreadySubmitted, spend
 from dashboard.templatetags.dashboard import ago
 from dashboard.views.common import explain, page, status_for
-from durability import operations, rollbacks
+from durability import canonical, operations, rollbacks
 from durability.agents import registry
 from durability.errors import DurabilityError, InvalidInput, InvalidTransition, Stale
 from durability.models import Checkpoint, Effect, EffectStatus, Event, Run
@@ -387,6 +387,7 @@ def fork(request: HttpRequest, ref: str) -> HttpResponse:
         "checkpoint": cp,
         "schema": _schema_text(run),
         "checkpoints": checkpoint_choices(run, include_head=True, selected=cp.seq),
+        "done_after": _effects_done_after(run, cp.seq),
     }
     if request.method == "GET":
         shown, _ = redact(loaded.state)
@@ -407,7 +408,12 @@ def fork(request: HttpRequest, ref: str) -> HttpResponse:
         with transaction.atomic():
             sub = spend(data["token"], action="fork", username=_who(request), run_id=run.id)
             new = operations.fork(
-                run, cp.seq, state=data["state"], by=_who(request), reason=data["reason"]
+                run,
+                cp.seq,
+                state=data["state"],
+                what_if=data["mode"] == "what_if",
+                by=_who(request),
+                reason=data["reason"],
             )
             sub.outcome = f"It created run {new.id}."
             sub.result_run_id = new.id
@@ -421,8 +427,23 @@ def fork(request: HttpRequest, ref: str) -> HttpResponse:
         return page(request, "dashboard/fork.html", {**context, "form": form}, status=422)
     except DurabilityError as exc:
         return _engine_refused(request, run, exc)
-    messages.success(request, f"Forked from #{cp.seq} of {run.short_id} into this new run.")
+    how = (
+        "what-if: its effects are recorded, not performed"
+        if data["mode"] == "what_if"
+        else "live: its effects are performed"
+    )
+    messages.success(request, f"Forked from #{cp.seq} of {run.short_id} into this new run ({how}).")
     return redirect("dashboard:run", ref=str(new.id))
+
+
+def _effects_done_after(run: Run, seq: int) -> list[str]:
+    """What the run performed after checkpoint ``seq`` (on any branch), in the agent's words:
+    what a live fork taking the same path performs again."""
+    done = Effect.objects.filter(run=run, status=EffectStatus.DONE, base__seq__gte=seq)
+    return [
+        e.label or rollbacks.describe(e.key, canonical.loads(e.args) if e.args else None)
+        for e in done.order_by("id")[:20]
+    ]
 
 
 def _schema_text(run: Run) -> str:
