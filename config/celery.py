@@ -2,13 +2,18 @@
 
 import logging
 import os
+import sys
 
 from billiard.exceptions import WorkerLostError
 from celery import Celery, signals
 
-from config import telemetry
+from config import settings_check, telemetry
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+if os.path.basename(sys.argv[0]) == "celery":
+    # A worker or beat started with a bad environment: one line naming the variable, not
+    # Celery's traceback of the lazy settings (``settings_check``).
+    settings_check.load_or_exit()
 
 app = Celery("durability")
 app.config_from_object("django.conf:settings", namespace="CELERY")

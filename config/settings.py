@@ -311,6 +311,18 @@ CELERY_BEAT_SCHEDULE = {
 # Its settings (leases, limits, blobs, keys, metrics, SLO targets...) are declared in
 # durability/conf.py and applied from the environment above; docs/configuration.md lists them.
 
+# A lease renewed no sooner than it expires is lost at every beat: each run would be taken
+# over, again and again, and never finish. Refused here, where every process (web, worker,
+# beat) loads it; a heartbeat over half the lease is only warned about (durability.W001).
+_lease = Engine.LEASE_SECONDS.value_in(globals())
+_beat = Engine.HEARTBEAT_SECONDS.value_in(globals())
+if _lease <= 0 or _beat <= 0 or _beat >= _lease:
+    raise ImproperlyConfigured(
+        f"DURABILITY_HEARTBEAT_SECONDS={_beat:g} must be positive and shorter than"
+        f" DURABILITY_LEASE_SECONDS={_lease:g} (a third of it is the default): a lease renewed"
+        " no sooner than it expires is lost at every beat"
+    )
+
 # Request bodies up to the largest state the engine accepts (a fork's edited state, sent to
 # the API or the dashboard), with room for the other fields; Django's own 2.5 MB would refuse
 # states the engine takes. Larger bodies: 413 from the API.

@@ -1,0 +1,30 @@
+"""Loading the settings before anything else touches them.
+
+OpenTelemetry's Django instrumentation reads the settings when it is installed and, when
+they cannot be loaded, configures empty ones in their place: a missing ``SECRET_KEY`` or a
+bad ``DURABILITY_*`` value would then start a web process that answers every request with
+an error about ``ROOT_URLCONF``, and a command that complains about ``DATABASES``, never
+naming the variable to set. Loaded first, the settings' own refusal is what is said."""
+
+from __future__ import annotations
+
+import sys
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+def load() -> None:
+    """Load the settings; their ``ImproperlyConfigured`` as it is."""
+    from django.conf import settings
+
+    settings.INSTALLED_APPS  # noqa: B018 - the import is the point
+
+
+def load_or_exit() -> None:
+    """``load``, or the refusal on one line of stderr and exit status 2 (bad input), for a
+    command line."""
+    try:
+        load()
+    except ImproperlyConfigured as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
