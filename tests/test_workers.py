@@ -238,6 +238,22 @@ def test_sigterm_finishes_the_step_and_hands_the_run_over(running, llm):
     alive_workers(running)
 
 
+def test_sigterm_to_the_worker_abandons_a_long_step_after_the_grace_period(running, llm):
+    run = operations.start("test-loop", {"n": 3, "block_s": 20, "block_at": 1})
+    wait_until(lambda: Run.objects.get(pk=run.id).head_seq >= 1, timeout=30)
+    owner = Run.objects.get(pk=run.id).lease_owner
+    victim = next(w for w in running.workers if w.name in owner)
+    time.sleep(0.5)  # inside the 20 s call now (the grace period is 2 s)
+    stopped_at = time.monotonic()
+    victim.terminate(timeout=30)  # warm shutdown of the main process
+    # Stopped after the grace period, not after the step: the run was handed over.
+    assert time.monotonic() - stopped_at < 12
+    assert Event.objects.filter(run=run, kind=EventKind.RELEASED).exists()
+    assert finished(run.id, timeout=90).status == RunStatus.SUCCEEDED
+    assert not Event.objects.filter(run=run, kind=EventKind.LEASE_LOST).exists()
+    alive_workers(running)
+
+
 def test_sigterm_to_the_pool_process_abandons_a_long_step_cleanly(running, llm):
     run = operations.start("test-loop", {"n": 3, "block_s": 8, "block_at": 1})
     wait_until(lambda: Run.objects.get(pk=run.id).head_seq >= 1, timeout=30)

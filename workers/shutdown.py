@@ -7,8 +7,9 @@ is raised in it), and the run is handed back all the same; another worker resume
 its last checkpoint.
 
 Two paths lead here: SIGTERM to the main process (Celery's warm shutdown; the flag is
-shared with the pool's children through memory inherited across fork) and SIGTERM to a
-child directly (systemd and process-group kills). A child stopped directly exits once it has
+shared with the pool's children through memory inherited across fork, and each child's
+grace period starts when it sees it) and SIGTERM to a child directly (systemd and
+process-group kills). A child stopped directly exits once it has
 handed its run back, and the pool replaces it. With a pool that runs tasks in the main
 process itself (``--pool solo``), Celery's own SIGTERM handler stays: its warm shutdown sets
 the flag, and the grace period starts then.
@@ -20,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 from durability.conf import conf
 from durability.errors import Abandon
@@ -66,6 +68,23 @@ def install_child_handler() -> None:
         _grace_installed = True
         return
     signal.signal(signal.SIGTERM, _on_term)
+    # The worker's own warm shutdown reaches this child only through the shared flag (the
+    # main process waits for the task): its grace period starts when the flag is seen.
+    threading.Thread(target=_watch_shared_flag, name="shutdown-watch", daemon=True).start()
+
+
+# How often a pool child looks at the worker's shutdown flag: the grace period may start
+# this much late.
+WATCH_SECONDS = 0.5
+
+
+def _watch_shared_flag() -> None:
+    while not _local.is_set():
+        if _shared is not None and _shared.value:
+            _local.set()
+            _start_grace_timer()
+            return
+        time.sleep(WATCH_SECONDS)
 
 
 def _on_term(signum, frame) -> None:
