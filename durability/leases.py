@@ -210,6 +210,13 @@ _CLAIMED: dict[str, Any] = {
         When(status=RunStatus.RUNNING, then=Coalesce("heartbeat_at", "claimed_at")),
         default=F("lost_heartbeat_at"),
     ),
+    # Taken over before its lease expired: its lock was free, its process gone just now.
+    "lost_seen_at": Case(
+        When(status=RunStatus.RUNNING, lease_expires_at__gt=Now(), then=Now()),
+        When(status=RunStatus.RUNNING, then=None),
+        default=F("lost_seen_at"),
+        output_field=DateTimeField(),
+    ),
     # Taken over here, or requeued by the sweeper from a dead attempt.
     "recoveries": Case(
         When(
@@ -237,8 +244,8 @@ def _claimed(run_id: Any, worker: str) -> Claim:
     if recovered:
         event, figures = _recovered_event(run, worker)
         made.append(event)
-        Run.objects.filter(pk=run_id).update(lost_heartbeat_at=None)
-        run.lost_heartbeat_at = None
+        Run.objects.filter(pk=run_id).update(lost_heartbeat_at=None, lost_seen_at=None)
+        run.lost_heartbeat_at = run.lost_seen_at = None
     events.record(*made)
     return Claim(
         run=run,
@@ -273,10 +280,11 @@ def _over_concurrency(run_id: Any) -> str:
 
 
 def _recovered_event(run: Run, worker: str) -> tuple[Event, dict[str, float | None]]:
-    """Recovery time runs from the lost attempt's last sign of life to this claim; work
-    lost from the last checkpoint to that same moment."""
-
-    lost_at = run.lost_heartbeat_at
+    """Recovery time runs from the failure to this claim; work lost from the last
+    checkpoint to the failure. The failure: when the lost attempt's process was found gone
+    (within a sweep of its death; its last heartbeat may be a third of a lease older, and
+    the work of a long step since then is lost too), else, when only its lease expired, its
+    last sign of life (its last heartbeat or checkpoint: it stalled after that)."""
     claimed_at = run.claimed_at
     if claimed_at is None:  # the claim sets it
         raise RuntimeError(f"run {run.id}: claimed without a claim time")
@@ -285,6 +293,9 @@ def _recovered_event(run: Run, worker: str) -> tuple[Event, dict[str, float | No
         .values_list("created_at", flat=True)
         .first()
     )
+    lost_at = run.lost_seen_at
+    if lost_at is None and run.lost_heartbeat_at is not None:
+        lost_at = max(run.lost_heartbeat_at, head_at) if head_at else run.lost_heartbeat_at
     recovery_ms = max(0.0, (claimed_at - lost_at).total_seconds() * 1000) if lost_at else None
     lost_ms = max(0.0, (lost_at - head_at).total_seconds() * 1000) if lost_at and head_at else None
     event = events.recovered(run, worker=worker, recovery_ms=recovery_ms, work_lost_ms=lost_ms)

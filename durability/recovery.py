@@ -111,7 +111,8 @@ def _requeue(run_id: Any, token: int, owner: str, heartbeat: Any, why: str, deci
         store().lock_timeout(2.0)  # never wait long on a stalled row lock
         dead = Q(claimed_at__lt=decision) & leases.proven_dead(run_id, why)
         lost = Coalesce("heartbeat_at", "claimed_at")
-        if not lifecycle.requeue(run_id, token, dead, lost_heartbeat_at=lost):
+        seen = Now() if why == "process gone" else None  # ``Run.lost_seen_at``
+        if not lifecycle.requeue(run_id, token, dead, lost_heartbeat_at=lost, lost_seen_at=seen):
             # It moved on meanwhile (claimed, finished, another sweeper), or its holder is
             # not proven gone: the database restarted a moment ago, and a live holder takes
             # its lock back as soon as it reconnects.

@@ -323,7 +323,8 @@ def _recovery_time(span: Span, recovered: list, target_s: float) -> Indicator:
         recovered,
         "recovery_ms",
         target_s,
-        "from a lost worker's last heartbeat to another worker resuming the run",
+        "from a worker's failure (found gone, or its last sign of life when its lease"
+        " expired) to another worker resuming the run",
     )
 
 

@@ -4,6 +4,7 @@ the ``crash`` fault, which unwinds the execution like a dying process (no cleanu
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 
@@ -119,6 +120,30 @@ def test_crash_after_a_call_before_its_record_reruns_only_that_call(faults):
     assert faults.fired() == 1
     recovered = Event.objects.filter(run=run, kind=EventKind.RECOVERED).count()
     assert recovered == 1
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="a process found gone by its liveness lock"
+)
+def test_work_lost_runs_to_the_failure_not_to_the_last_heartbeat(faults, settings):
+    """Heartbeats a third of a lease apart: a crash 1.5 s into a step whose last heartbeat
+    was at its claim lost those 1.5 s, and the run was resumed at once."""
+    settings.DURABILITY_HEARTBEAT_SECONDS = 3.5
+
+    def slow(name: str) -> str:
+        time.sleep(1.5)
+        return name
+
+    def step(state, ctx):
+        state["a"] = ctx.call("a", slow, "a")
+
+    agent("x-lost-work", steps=[step])
+    faults.set({"point": "after_call", "when": {"key": "a"}, "action": "crash"})
+    run = operations.start("x-lost-work", {})
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    recovered = json.loads(Event.objects.get(run=run, kind=EventKind.RECOVERED).data)
+    assert 1300 < recovered["work_lost_ms"] < 5000, recovered
+    assert recovered["recovery_ms"] < 1000, recovered
 
 
 def test_repeated_keys_in_one_step_are_separate_records_and_loops_do_not_replay():

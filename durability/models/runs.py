@@ -99,6 +99,10 @@ class Run(models.Model):
     # Set when a lease is found dead: the heartbeat and checkpoint time of the lost attempt,
     # from which the next claim computes recovery time and work lost.
     lost_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # When the lost attempt's process was found gone (its liveness lock free: by a sweep, or
+    # by the claim of its redelivered task), which is within a sweep of its death; null when
+    # only its lease expired (a stall, which began after its last heartbeat).
+    lost_seen_at = models.DateTimeField(null=True, blank=True)
     forked_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks"
     )
