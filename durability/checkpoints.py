@@ -301,9 +301,10 @@ def send_step(c: StepCommit, bound: inflight.Bound | None = None) -> None:
     inflight.channel().send_bound(bound)
 
 
-def step_ready() -> bool:
-    """Whether the answer of the commit in flight is in (without waiting for it)."""
-    return inflight.channel().ready()
+def step_arrived_at() -> float | None:
+    """When the answer of the commit sent last reached this process (``time.perf_counter``),
+    None while it has not (without waiting for it)."""
+    return inflight.channel().arrived_at()
 
 
 def step_answer(c: StepCommit) -> int:

@@ -120,6 +120,28 @@ def test_the_next_step_runs_while_its_base_commit_is_in_flight(side):
     assert latencies and all(us > 0 for us in latencies)
 
 
+def test_a_commit_s_latency_ends_when_its_answer_arrives_not_when_the_next_step_looks():
+    """A step working a while without passing ``ctx`` (CPU, a sleep, a client of its own)
+    does not look at the commit in flight: its latency is still the commit's own."""
+    a = agent("x-slow-next")
+
+    @a.step(start=True)
+    def first(state, ctx):
+        state["n"] = 1
+        return "slow"
+
+    @a.step()
+    def slow(state, ctx):
+        time.sleep(1.5)
+        return END
+
+    run = operations.start("x-slow-next", {})
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    first_commit = Event.objects.filter(run=run, kind=EventKind.CHECKPOINT, seq=2).get()
+    # Carried by the next commit; a fraction of the 1.5 s the next step took.
+    assert first_commit.commit_us is not None and first_commit.commit_us < 500_000
+
+
 def test_a_commit_fenced_in_flight_stops_the_step_that_ran_ahead_before_its_call(side):
     def second(state, ctx):
         wait_for_blocked_commit(side)

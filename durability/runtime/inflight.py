@@ -31,6 +31,7 @@ import os
 import re
 import select
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -90,6 +91,90 @@ class Bound:
         self.values[self.names.index(name)] = _text(redact.scrub(value))
 
 
+class _Arrival:
+    """When the answer of the statement in flight reached the process. The worker sees an
+    answer when it next looks, at the next step's checkpoint: a step working four seconds
+    without passing ``ctx`` would make a commit of two milliseconds count as one of four
+    seconds. So a daemon thread looks too: ``LOOK_SECONDS`` after a statement is sent, if
+    the worker has not seen its answer yet, it waits for the socket to turn readable (it
+    reads nothing: libpq does, on the worker's thread) and notes the time. It does not wake
+    for each answer, which would cost the busy worker a hand-over of the interpreter's lock
+    per step, but once per ``LOOK_SECONDS`` while statements are in flight; a latency is
+    then late by at most that much (plus the lock's switch interval, 5 ms by default), far
+    below the commit latency objective's 100 ms."""
+
+    LOOK_SECONDS = 0.01
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._fd = -1  # the socket of the statement in flight; -1: none unanswered
+        self._ticket = 0  # one per statement sent
+        self._seen: tuple[int, float] = (0, 0.0)  # (ticket, when its answer arrived)
+        self._idle = False
+        self._thread: threading.Thread | None = None
+
+    def expect(self, fd: int) -> int:
+        """Watch ``fd`` for the answer of a statement just sent; its ticket."""
+        with self._cond:
+            self._ticket += 1
+            self._fd = fd
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="durability-commit-answer", daemon=True
+                )
+                self._thread.start()
+            elif self._idle:
+                self._cond.notify()
+            return self._ticket
+
+    def seen(self, ticket: int, at: float | None = None) -> float | None:
+        """When the answer of ``ticket`` arrived, if known; ``at``: the worker saw it in then
+        (kept unless the thread saw it first), and the watch ends."""
+        with self._cond:
+            if at is not None and self._ticket == ticket:
+                if self._seen[0] != ticket:
+                    self._seen = (ticket, at)
+                self._fd = -1
+            number, when = self._seen
+        return when if number == ticket else None
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                while self._fd < 0:
+                    self._idle = True
+                    self._cond.wait()
+                self._idle = False
+                ticket = self._ticket
+                # Not woken by the worker meanwhile: a statement sent since is looked at
+                # on the next round.
+                self._cond.wait(self.LOOK_SECONDS)
+                if self._fd < 0 or self._ticket != ticket:
+                    continue  # answered in time, or another statement sent since
+                fd = self._fd
+            self._await(fd, ticket)
+
+    def _await(self, fd: int, ticket: int) -> None:
+        """Until the answer of ``ticket`` is readable on ``fd`` (noting when), or the worker
+        took it, or the socket closed."""
+        while True:
+            poller = select.poll()
+            try:
+                poller.register(fd, select.POLLIN)
+                events = poller.poll(1000)
+            except (OSError, ValueError):  # closed meanwhile
+                events = [(fd, select.POLLNVAL)]
+            when = time.perf_counter()
+            with self._cond:
+                if self._ticket != ticket or self._fd < 0:
+                    return
+                if events:
+                    if events[0][1] & select.POLLIN:
+                        self._seen = (ticket, when)
+                    self._fd = -1
+                    return
+
+
 class Channel:
     """One connection, at most one statement in flight on it."""
 
@@ -100,6 +185,8 @@ class Channel:
         self._statements: dict[str, tuple[bytes, list[str]]] = {}
         self.busy = False
         self.pid = os.getpid()
+        self._arrival = _Arrival()
+        self._ticket = 0
 
     @property
     def connection(self) -> Any:
@@ -167,6 +254,7 @@ class Channel:
                 pgconn.send_query_params(query, values)
             while pgconn.flush():
                 _wait(pgconn.socket, select.POLLOUT)
+            self._ticket = self._arrival.expect(pgconn.socket)
         except BaseException as exc:
             self.close()
             if isinstance(exc, errors.OperationalError):
@@ -194,6 +282,14 @@ class Channel:
         if pgconn.status != pq.ConnStatus.OK:
             self.close()
 
+    def arrived_at(self) -> float | None:
+        """When the answer of the statement sent last reached this process
+        (``time.perf_counter``); None while it has not, looking without waiting."""
+        when = self._arrival.seen(self._ticket)
+        if when is None and self.busy and self.ready():
+            when = self._arrival.seen(self._ticket, time.perf_counter())
+        return when
+
     def ready(self) -> bool:
         """Whether the answer is in, without waiting for it."""
         if not self.busy:
@@ -219,6 +315,7 @@ class Channel:
                 while pgconn.is_busy():
                     _wait(pgconn.socket, select.POLLIN)
                     pgconn.consume_input()
+                self._arrival.seen(self._ticket, time.perf_counter())
                 # Every result, not only the first: the statement's implicit transaction
                 # commits after its row is sent, and a failure there (a deferred
                 # constraint, a serialization failure, the session dying) comes as a

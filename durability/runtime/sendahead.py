@@ -17,7 +17,6 @@ proof carries), the next commit, the blob store, the ways out of an execution.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,8 +60,8 @@ class InFlight:
     sent_at: float
     span: Any
     snapshot_bytes: bytes | None  # a snapshot to write off the hot path once its id is known
-    # When the worker first saw the answer in (polled at the next step's start): the commit's
-    # latency ends there, not when the worker got round to taking it.
+    # When the answer reached the process (``inflight``'s watch, or the worker seeing it
+    # in): the commit's latency ends there, not when the worker got round to taking it.
     answered_at: float | None = None
     interrupted: bool = False
 
@@ -114,6 +113,7 @@ class SendAhead:
             else:
                 try:
                     checkpoint_id = checkpoints.step_answer(pending.commit)
+                    pending.answered_at = checkpoints.step_arrived_at()
                 except FencedOut as exc:
                     log.warning("%s", exc)
                     raise
@@ -145,8 +145,7 @@ class SendAhead:
         if pending is None or pending.answered_at is not None or pending.interrupted:
             return
         try:
-            if checkpoints.step_ready():
-                pending.answered_at = time.perf_counter()
+            pending.answered_at = checkpoints.step_arrived_at()
         except DB_DOWN:
             pass  # the channel is closed; settling finds out what happened
         except BaseException:
