@@ -79,7 +79,8 @@ def _plan_out(plan: Any, *, dry_run: bool, decisions: dict[int, str], run: Run |
         ],
         # Held or continued at once, as the request asks (``and_continue``).
         "sentences": plan.sentences(decisions, hold=hold),
-        "held": bool(getattr(plan, "held", False)),
+        # A preview: whether the rollback it previews would hold the run.
+        "held": bool(plan.will_run_from) and hold if dry_run else bool(plan.held),
         "new_head": plan.checkpoint.seq if getattr(plan, "checkpoint", None) else None,
         "run": present.run_detail(run) if run is not None else None,
     }
@@ -151,6 +152,7 @@ def hold(
     request: HttpRequest,
     run_id: str,
     body: HoldIn,
+    response: HttpResponse,
     if_match: str | None = Header(None, alias="If-Match", max_length=40),
 ):
     """Put a run on legal hold (never pruned or compacted), or release it. The request says
@@ -162,7 +164,9 @@ def hold(
         run = retention.hold(
             run_id[:64], on=body.hold, by=by, reason=body.reason, expected_version=version
         )
-    return present.run_detail(Run.objects.get(pk=run.pk))
+    run = Run.objects.get(pk=run.pk)
+    response["ETag"] = common.etag(run.lease_token)
+    return present.run_detail(run)
 
 
 @router.post(

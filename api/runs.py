@@ -30,7 +30,7 @@ from durability.errors import (
     StateTooLarge,
     UnknownAgent,
 )
-from durability.models import Message, Run, RunStatus
+from durability.models import Run, RunStatus
 
 router = Router(tags=["runs"])
 
@@ -64,11 +64,16 @@ def list_runs(
         None, description="created at or after (ISO 8601; without an offset: UTC)"
     ),
     q: str | None = Query(None, max_length=200, description="a run id prefix, or input text"),
+    recovered: bool | None = Query(
+        None, description="true: only runs resumed elsewhere after their worker died"
+    ),
     cursor: str | None = Query(None, max_length=200),
     limit: int = Query(50, ge=1, le=200),
 ):
     common.reader(request)
     runs = Run.objects.all()
+    if recovered is not None:
+        runs = runs.filter(recoveries__gt=0) if recovered else runs.filter(recoveries=0)
     if agent:
         runs = runs.filter(agent=agent)
     if status:
@@ -125,9 +130,8 @@ def start_run(
     """Start a run. With an ``Idempotency-Key``, a retry returns the run that key started
     (200); the same key with another agent or input is refused (409, DUR115)."""
     key = common.idempotency_key(idempotency_key)
-    again = bool(key) and Run.objects.filter(idempotency_key=key).exists()
     with common.acting_as(request) as by, common.fields(START_FIELDS):
-        run = operations.start(
+        run, made = operations.started(
             body.agent,
             body.input,
             by=by,
@@ -137,7 +141,7 @@ def start_run(
         )
     response["ETag"] = common.etag(run.lease_token)
     response["Location"] = f"{request.path.rstrip('/')}/{run.id}"
-    return Status(200 if again else 201, present.run_detail(run))
+    return Status(201 if made else 200, present.run_detail(run))
 
 
 def _acted(response: HttpResponse, run: Run):
@@ -209,8 +213,7 @@ def send_message(
     version = common.expected_version(if_match)
     with common.acting_as(request) as by, common.fields(SEND_FIELDS):
         run = operations.get_run(run_id[:64])
-        again = bool(key) and Message.objects.filter(run=run, idempotency_key=key).exists()
-        message = operations.send(
+        message, made = operations.delivered(
             run.id,
             body.name,
             body.data,
@@ -219,4 +222,4 @@ def send_message(
             reason=body.reason,
             expected_version=version,
         )
-    return Status(200 if again else 201, present.message(message))
+    return Status(201 if made else 200, present.message(message))

@@ -347,6 +347,7 @@ def resume(run: Run) -> None:
         wake_at=None,
         error="",
         error_code="",
+        outcome="",  # it has not ended: no ending is its outcome
         finished_at=None,
         attempts=0,
         retries=0,
@@ -372,9 +373,12 @@ def roll_back(run: Run, *, seq: int, step: str, held: bool, detail: str) -> None
     ``restart``."""
     finished = not step
     op = "end" if finished else ("hold" if held else "restart")
+    # A run taken back before its ending has no outcome until it ends again.
+    ending = {} if finished else {"outcome": ""}
     _operator(
         op,
         run,
+        **ending,
         head_seq=seq,
         step=step,
         wait_reason=WaitReason.HOLD if op == "hold" else WaitReason.NONE,

@@ -290,6 +290,8 @@ def hold(
     with transaction.atomic():
         run = _locked(ref)
         _check_version(run, expected_version)
+        if run.legal_hold == on:
+            return run  # a repeat: nothing changes, and the audit log says nothing happened
         Run.objects.filter(pk=run.pk).update(legal_hold=on)
         run.legal_hold = on
         events.record(events.legal_hold(run, by=by, reason=reason, on=on))

@@ -208,11 +208,35 @@ def test_start_is_idempotent_by_key_and_a_reused_key_is_a_409(operator_api):
     before = counts()
     other = operator_api.post("/runs", {**body, "input": {"question": "twice"}}, headers=key)
     assert "already started run" in problem(other, 409, "DUR115")["detail"]
+    # Another agent: the conflict, not that agent's opinion of the input.
+    agent = operator_api.post("/runs", {**body, "agent": "api-verdict"}, headers=key)
+    assert "another agent (dash-chain)" in problem(agent, 409, "DUR115")["detail"]
+    level = operator_api.post("/runs", {**body, "durability": "relaxed"}, headers=key)
+    assert "another durability level" in problem(level, 409, "DUR115")["detail"]
     assert counts() == before
     assert Run.objects.filter(agent="dash-chain").count() == 1
     created = Event.objects.get(run_id=run["id"], kind="created")
     assert created.actor == "olga" and created.reason == "nightly"
     assert '"via":"api token \'ci\'"' in created.data
+
+
+def test_retries_racing_with_one_key_make_one_run_and_one_201(operator_api):
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"agent": "dash-chain", "input": {"question": "racing"}}
+    key = {"Idempotency-Key": f"race-{uuid.uuid4()}"}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: operator_api.post("/runs", body, headers=key), range(8)))
+    assert sorted(a.status_code for a in answers) == [200] * 7 + [201], [a.text for a in answers]
+    assert len({a.json()["id"] for a in answers}) == 1
+    run = scene()
+    send = {"Idempotency-Key": "race-send"}
+    url = f"/runs/{run.id}/messages"
+    with ThreadPoolExecutor(8) as pool:
+        sent = list(
+            pool.map(lambda _: operator_api.post(url, {"name": "reply"}, headers=send), range(8))
+        )
+    assert sorted(a.status_code for a in sent) == [200] * 7 + [201], [a.text for a in sent]
 
 
 def test_send_is_idempotent_by_key_and_a_reused_key_is_a_409(operator_api):
@@ -248,6 +272,9 @@ def test_a_stale_if_match_is_a_409_and_changes_nothing(operator_api):
     # The same decision again, made on what the caller saw before: refused, nothing done.
     stale = operator_api.post(f"/runs/{run.id}/cancel", {}, headers={"If-Match": etag})
     assert "moved on" in problem(stale, 409, "DUR112")["detail"]
+    # The resume sent again (a retry): stale too, not "already queued".
+    again = operator_api.post(f"/runs/{run.id}/resume", {}, headers={"If-Match": etag})
+    assert "moved on" in problem(again, 409, "DUR112")["detail"]
     assert counts() == before
     bad = operator_api.post(f"/runs/{run.id}/cancel", {}, headers={"If-Match": "yesterday"})
     assert problem(bad, 422, "API422")["field"] == "If-Match"
@@ -363,6 +390,9 @@ def test_runs_list_filters_by_agent_outcome_since_and_input_text(viewer_api, ver
     assert ids(outcome="approved") == of(approved)
     assert ids(outcome="declined", agent=verdict_agent) == of(declined)
     assert ids(outcome="declined", agent="dash-chain") == []
+    Run.objects.filter(pk=late.pk).update(recoveries=1)
+    assert ids(recovered="true") == of(late)
+    assert ids(recovered="false") == of(declined, approved, old)
     hour_ago = timezone.now() - timedelta(hours=1)
     assert ids(since=hour_ago.isoformat()) == of(declined, approved, late)
     # The same instant written with another UTC offset is the same filter.

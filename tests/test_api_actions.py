@@ -40,6 +40,7 @@ def test_rollback_preview_changes_nothing_and_the_rollback_holds_the_run(ops, vi
     assert plan["dry_run"] and plan["target"] == 1 and plan["sentences"]
     assert [e["key"] for e in plan["effects"]] == ["pay"]
     assert any("is put on hold" in line for line in plan["sentences"]), plan["sentences"]
+    assert plan["held"], plan  # what the rollback it previews would do
     # The preview checks the decisions as the rollback does, and says what and_continue does.
     effect = plan["effects"][0]["id"]
     for bad, said in (
@@ -55,6 +56,7 @@ def test_rollback_preview_changes_nothing_and_the_rollback_holds_the_run(ops, vi
     ).json()
     assert any("continues at once" in line for line in going["sentences"]), going
     assert not any("put on hold" in line for line in going["sentences"]), going
+    assert not going["held"]
     assert counts() == before
     problem(viewer.post(f"/runs/{run.id}/rollback", {"checkpoint": 1}), 403, "DUR111")
     stale = ops.post(f"/runs/{run.id}/rollback", {"checkpoint": 1}, headers={"If-Match": '"999"'})

@@ -143,9 +143,11 @@ def test_a_hold_takes_the_version_the_caller_saw_and_leaves_it(ops):
     assert held.status_code == 200 and held.json()["legal_hold"], held.text
     # No transition: a worker executing the run keeps its lease (its version).
     assert ops.get(f"/runs/{run.id}").headers["ETag"] == version
+    assert held.headers["ETag"] == version
     again = ops.post(f"/runs/{run.id}/hold", {"hold": True}, headers={"If-Match": version})
     assert again.status_code == 200 and again.json()["legal_hold"]
-    assert Event.objects.filter(run=run, kind="hold").count() == 2
+    # A repeat changes nothing, and the audit log does not say it did.
+    assert Event.objects.filter(run=run, kind="hold").count() == 1
 
 
 def test_the_audit_log_names_the_token_an_action_was_taken_with(ops, operator_user):

@@ -385,7 +385,7 @@ def test_expect_version_acts_only_on_the_version_it_names(workers, llm):
     )
     stale = cli(workers, "cancel", str(run.id), "--expect-version", str(shown - 1))
     assert stale.returncode == 2
-    assert "moved on since this was decided" in one_coded_line(stale, "DUR112")
+    assert "moved on since you saw it" in one_coded_line(stale, "DUR112")
     assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING
     assert cli(workers, "cancel", str(run.id), "--expect-version", str(shown)).returncode == 0
     # The same command again, after a colleague resumed the run: the decision was carried out.

@@ -396,7 +396,7 @@ def test_the_engine_refuses_a_decision_on_a_version_the_run_left_and_names_what_
         lambda: operations.cancel(listening.id, by="bob", expected_version=seen),
         lambda: operations.send(listening.id, "go", 1, by="bob", expected_version=seen),
     ):
-        with pytest.raises(Stale, match="moved on since this was decided"):
+        with pytest.raises(Stale, match="moved on since you saw it"):
             late()
     assert (counts(), Message.objects.count()) == before
     # Without a version the caller acts on what it reads in the same locked transaction.

@@ -154,6 +154,10 @@ def test_a_changed_patch_is_named_at_its_own_checkpoint():
     assert "checkpoint #3 does not verify" in str(err.value)
     # The checkpoints before it still rebuild.
     checkpoints.verified_state(Checkpoint.objects.get(run=run, seq=2))
+    # A rollback to a checkpoint that does not verify is refused by its preview already.
+    with pytest.raises(IntegrityViolation, match="checkpoint #3 does not verify"):
+        operations.plan_rollback(run.id, 4)
+    operations.plan_rollback(run.id, 2)
 
 
 def test_the_latest_state_load_makes_every_check_of_a_rebuild():

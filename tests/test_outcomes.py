@@ -7,11 +7,13 @@ can be done next)."""
 from __future__ import annotations
 
 import html as entities
+import io
 import json
 import re
 from collections import Counter
 
 import pytest
+from django.core.management import call_command
 from django.urls import reverse
 
 from durability import END, Agent, operations, registry
@@ -210,6 +212,23 @@ def test_an_outcome_shows_only_on_a_run_that_succeeded(as_operator):
     page = text_of(as_operator.get(reverse("dashboard:run", args=[run.id])))
     assert "failed · declined" not in page and "failed" in page
     assert run.short_id not in text_of(as_operator.get(RUNS, {"outcome": "declined"}))
+
+
+def test_a_run_rolled_back_or_resumed_before_its_end_has_no_outcome_until_it_ends_again():
+    run = drive(operations.start("outcome-end", {"how": "named"}).id)
+    assert run.outcome == "rejected at publish"
+    operations.rollback(run.id, 0, by="ann")
+    held = Run.objects.get(pk=run.pk)
+    assert (held.status, held.outcome) == (RunStatus.WAITING, "")
+    operations.resume(run.id, by="ann")
+    assert drive(run.id).outcome == "rejected at publish"
+    # The CLI says it beside the status, as the dashboard does.
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), stdout=out)
+    assert "SUCCEEDED · rejected at publish" in out.getvalue()
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), "--json", stdout=out)
+    assert json.loads(out.getvalue())["outcome"] == "rejected at publish"
 
 
 def test_the_support_demo_names_how_each_conversation_ended():

@@ -21,11 +21,18 @@ from durability.operations._decisions import (
 )
 from durability.operations._effects import resolve_effect
 from durability.operations._fork import check_fork, fork
-from durability.operations._messages import send
+from durability.operations._messages import delivered, send
 from durability.operations._rollback import RollbackPlan, RollbackResult, plan_rollback, rollback
 from durability.operations._runs import _locked as _locked
 from durability.operations._runs import get_run, state_at, verify
-from durability.operations._start import check_durability, spawn_child, start, tree, wake_parent
+from durability.operations._start import (
+    check_durability,
+    spawn_child,
+    start,
+    started,
+    tree,
+    wake_parent,
+)
 
 __all__ = [
     "OPERATORS_GROUP",
@@ -46,7 +53,9 @@ __all__ = [
     "rollback",
     "send",
     "spawn_child",
+    "delivered",
     "start",
+    "started",
     "state_at",
     "tree",
     "verify",

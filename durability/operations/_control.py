@@ -41,6 +41,9 @@ def resume(
         run = _locked(ref)
         refuse_outside_workers(run, "resume it")
         _check_status(run, expected_status)
+        # Before the status's own refusals: a retried request (the run queued by its first
+        # copy) is stale, as documented, not "already queued".
+        _check_version(run, expected_version)
         if run.status == RunStatus.SUCCEEDED:
             raise InvalidTransition(
                 "the run succeeded; there is nothing to resume (roll back or fork it to run"
@@ -56,7 +59,6 @@ def resume(
                 " only run the step to the same wait again",
                 run_id=run.id,
             )
-        _check_version(run, expected_version)
         head = _checkpoint_of(run, run.head_seq)
         checkpoints.verified_state(head)  # refuse to queue what cannot be rehydrated
         previous = run.status
@@ -127,9 +129,9 @@ def _cancel_one(
     run = _locked(ref)
     refuse_outside_workers(run, "cancel it")
     _check_status(run, expected_status)
+    _check_version(run, expected_version)
     if run.status in FINISHED:
         raise InvalidTransition(f"the run is already {run.status}", run_id=run.id)
-    _check_version(run, expected_version)
     lifecycle.cancel(run)
     Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).update(
         status=ApprovalStatus.SUPERSEDED, comment="run cancelled"

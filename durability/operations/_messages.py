@@ -34,6 +34,28 @@ def send(
     send's identity is that version with the message's name and contents: the same message
     sent again on the same version of the run (a double click, a retried request) is
     delivered once; sent again after the run moved on, it is refused as stale."""
+    return delivered(
+        ref,
+        name,
+        data,
+        idempotency_key=idempotency_key,
+        by=by,
+        reason=reason,
+        expected_version=expected_version,
+    )[0]
+
+
+def delivered(
+    ref: Any,
+    name: str,
+    data: Any = None,
+    *,
+    idempotency_key: str = "",
+    by: str = "",
+    reason: str = "",
+    expected_version: int | None = None,
+) -> tuple[Message, bool]:
+    """``send``, and whether this call delivered it (False: a send with its key did)."""
     text, idempotency_key = _message(name, data, idempotency_key, expected_version)
     with transaction.atomic():
         run = _locked(ref)
@@ -47,7 +69,7 @@ def send(
                         " message to this run",
                         run_id=run.id,
                     )
-                return first
+                return first, False
         if run.status in FINISHED:
             raise InvalidTransition(
                 f"the run is {run.status}; it takes no more messages", run_id=run.id
@@ -62,7 +84,7 @@ def send(
         waits_for_it = run.wait_reason == WaitReason.MESSAGE and run.wait_detail == name
         if run.status == RunStatus.WAITING and waits_for_it:
             dispatch.wake(run.id)
-    return message
+    return message, True
 
 
 def _message(

@@ -96,6 +96,9 @@ def plan_rollback(
     target = _checkpoint_of(run, to_seq, checkpoint_id)
     if target.seq == run.head_seq:
         raise InvalidTransition(f"checkpoint #{target.seq} is already the head", run_id=run.id)
+    # Refused as the rollback refuses it (``IntegrityViolation``): a preview of a rollback
+    # that cannot happen is no preview.
+    checkpoints.verified_state(target)
     abandoned, seq_of = _branch_left(run, target)
     # Every pending approval, the target's own included: the new head is a checkpoint of its
     # own, so whatever the new branch asks, it asks anew under that identity.

@@ -131,7 +131,7 @@ def _check_version(run: Run, expected_version: int | None) -> None:
     if expected_version is None or run.lease_token == expected_version:
         return
     raise Stale(
-        f"the run moved on since this was decided: it was at version {expected_version}, it is"
+        f"the run moved on since you saw it: it was at version {expected_version}, it is"
         f" at {run.lease_token} now ({run.status}{_last_change(run)}); review it again",
         run_id=run.id,
     )

@@ -29,19 +29,39 @@ def start(
     fails the schema, and oversized input or state are refused before anything is written.
 
     With an ``idempotency_key``, starting again with the same key (a client retrying after a
-    timeout) returns the run that key started; the same key with another agent or input is
-    an error."""
+    timeout) returns the run that key started; the same key with another agent, input or
+    durability level is an error."""
+    return started(
+        agent, input, by=by, reason=reason, idempotency_key=idempotency_key, durability=durability
+    )[0]
+
+
+def started(
+    agent: str,
+    input: Any = None,
+    *,
+    by: str = "",
+    reason: str = "",
+    idempotency_key: str = "",
+    durability: str | None = None,
+) -> tuple[Run, bool]:
+    """``start``, and whether this call made the run (False: the key's earlier start made
+    it, however many retries raced)."""
+    if idempotency_key:
+        if len(idempotency_key) > 255:
+            raise InvalidInput("an idempotency key is at most 255 characters")
+        # Before the input is checked against this agent's schema: a key reused for
+        # another agent is the conflict, whatever that agent thinks of the input.
+        _started_with(idempotency_key, agent=agent)
     definition, input_bytes, state_bytes, input_hash = _prepared(agent, input)
     first = definition.first_step
     level = check_durability(durability or definition.durability)
     if why := definition.refused_levels.get(level):
         raise InvalidInput(f"agent {definition.name}: {why}; nothing was started")
     if idempotency_key:
-        if len(idempotency_key) > 255:
-            raise InvalidInput("an idempotency key is at most 255 characters")
-        existing = _started_with(idempotency_key, input_hash)
+        existing = _started_with(idempotency_key, input_hash=input_hash, durability=durability)
         if existing is not None:
-            return existing
+            return existing, False
     try:
         with (
             telemetry.run_root(f"start {agent}", **{"durability.agent.name": agent}),
@@ -60,11 +80,15 @@ def start(
             )
     except IntegrityError:
         # Two starts with one key raced: the other one won.
-        existing = _started_with(idempotency_key, input_hash) if idempotency_key else None
+        existing = (
+            _started_with(idempotency_key, input_hash=input_hash, durability=durability)
+            if idempotency_key
+            else None
+        )
         if existing is None:
             raise
-        return existing
-    return run
+        return existing, False
+    return run, True
 
 
 def check_durability(level: str) -> str:
@@ -166,12 +190,26 @@ def tree(ref: Any) -> dict:
     return node(root)
 
 
-def _started_with(key: str, input_hash: str) -> Run | None:
+def _started_with(
+    key: str, *, agent: str = "", input_hash: str = "", durability: str | None = None
+) -> Run | None:
+    """The run ``key`` started, if any; a conflict if it was started with another agent,
+    input (``input_hash``) or durability level than given (those not given are not
+    compared: a start that names no level takes the agent's)."""
     run = Run.objects.filter(idempotency_key=key).first()
-    if run is not None and run.input_hash != input_hash:
+    if run is None:
+        return None
+    other = ""
+    if agent and run.agent != agent:
+        other = f"agent ({run.agent})"
+    elif input_hash and run.input_hash != input_hash:
+        other = "input"
+    elif durability and run.durability != durability:
+        other = f"durability level ({run.durability})"
+    if other:
         raise IdempotencyConflict(
-            f"idempotency key {key!r} already started run {run.id} with another agent or"
-            " input; use a new key for a new run"
+            f"idempotency key {key!r} already started run {run.id} with another {other};"
+            " use a new key for a new run"
         )
     return run
 

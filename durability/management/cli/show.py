@@ -11,7 +11,7 @@ from durability import approvals as edits
 from durability import canonical, operations
 from durability.langgraph import cli as lg_cli
 from durability.langgraph.describe import is_graph_checkpoint
-from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run
+from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run, RunStatus
 
 Say = Callable[[str], None]
 
@@ -41,6 +41,8 @@ def _as_json(run: Run, cps: list, approvals: list, effects: list) -> dict[str, A
         "agent": run.agent,
         "agent_version": run.agent_version,
         "status": run.status,
+        # How it ended, as the agent named it (a run that succeeded; else empty).
+        "outcome": run.outcome if run.status == RunStatus.SUCCEEDED else "",
         "version": run.lease_token,
         "durability": run.durability,
         "wait": {"reason": run.wait_reason, "detail": run.wait_detail},
@@ -104,8 +106,9 @@ def _effect_json(e: Effect) -> dict[str, Any]:
 
 
 def _header(say: Say, run: Run) -> None:
+    ended = f" · {run.outcome}" if run.status == RunStatus.SUCCEEDED and run.outcome else ""
     say(
-        f"run {run.id}  {run.agent}@{run.agent_version}  {run.status.upper()}"
+        f"run {run.id}  {run.agent}@{run.agent_version}  {run.status.upper()}{ended}"
         + (f" ({run.wait_reason}: {run.wait_detail})" if run.wait_reason else "")
     )
     say(
