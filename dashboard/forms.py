@@ -103,8 +103,13 @@ class RollbackForm(forms.Form):
     expected_head = forms.IntegerField(min_value=0, max_value=INT_MAX, widget=forms.HiddenInput)
     expected_status = forms.CharField(max_length=16, required=False, widget=forms.HiddenInput)
     version = VersionField()
+    # Needed to roll back, not to preview the choices made (``clean``): the browser would
+    # otherwise refuse "Preview these choices" until a reason is typed.
     reason = forms.CharField(
-        max_length=REASON_MAX, widget=forms.TextInput, help_text="Recorded in the audit log."
+        max_length=REASON_MAX,
+        required=False,
+        widget=forms.TextInput,
+        help_text="Recorded in the audit log.",
     )
     then = forms.ChoiceField(
         choices=[
@@ -151,6 +156,12 @@ class RollbackForm(forms.Form):
             )
             rows.append((e, field, select))
         return rows
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if self.data.get("action") != "preview" and not (data.get("reason") or "").strip():
+            self.add_error("reason", "say why you roll back: it is recorded in the audit log")
+        return data
 
     def decisions(self) -> dict[int, str]:
         """The operator's per-effect choices (valid once the form is)."""
@@ -452,6 +463,12 @@ class SendForm(forms.Form):
                 data["value"] = parse_json(text, "the message")
             except forms.ValidationError as exc:
                 self.add_error("data", exc)
+        elif not text.strip():
+            # A click on Send with nothing typed: a message consumed at once cannot be taken
+            # back without a rollback. An empty text on purpose is sent as JSON: "".
+            self.add_error(
+                "data", 'the message is empty: type it (or send "" with "the message is JSON")'
+            )
         else:
             data["value"] = text
         return data

@@ -28,6 +28,7 @@ from durability.models import (
     Mutation,
     Run,
     RunStatus,
+    WaitReason,
 )
 from durability.redact import REDACTED, is_secret_key
 
@@ -150,6 +151,34 @@ def can_resume(run: Run) -> bool:
 
 def can_cancel(run: Run) -> bool:
     return run.status not in FINISHED
+
+
+def to_compensate(run: Run) -> list[str]:
+    """For a run on hold after a rollback: the compensations the operator ticked, which
+    continuing performs first, in the agent's words ("refund 200 EUR on order A-1002, by
+    reverse_refund")."""
+    if run.status != RunStatus.WAITING or run.wait_reason != WaitReason.HOLD:
+        return []
+    from durability import rollbacks
+    from durability.models import AbandonedEffect, Repeat
+
+    ticked = AbandonedEffect.objects.filter(
+        run=run, rollback__seq=run.head_seq, choice=Repeat.COMPENSATE
+    ).select_related("effect")
+    done = set(
+        Effect.objects.filter(
+            run=run, key__in=[f"{rollbacks.COMPENSATION_KEY}{a.effect_id}" for a in ticked]
+        ).values_list("key", flat=True)
+    )
+    shown = []
+    for row in ticked:
+        effect = row.effect
+        if f"{rollbacks.COMPENSATION_KEY}{effect.pk}" in done:
+            continue
+        args = canonical.loads(effect.args) if effect.args else None
+        what = effect.label or rollbacks.describe(effect.key, args)
+        shown.append(f"{what}, by {effect.compensate.rsplit('.', 1)[-1]}")
+    return shown
 
 
 # --- the inspector ----------------------------------------------------------------------------

@@ -128,12 +128,29 @@ def _effect_resolved(item: Item, e: Event, d: dict) -> None:
     item.title = f"effect {d.get('key', '')} resolved: {d.get('outcome', '')}"
 
 
+# What the operator chose at a rollback for each effect done on the branch left behind.
+_ROLLBACK_CHOICES = {
+    "compensate": "to compensate before it continues",
+    "again": "to perform again without asking",
+    "reuse": "to reuse the recorded outcome of",
+}
+
+
 def _rollback(item: Item, e: Event, d: dict) -> None:
     item.title = f"rolled back to #{d.get('to', '?')}"
     item.detail = f"new head #{d.get('new_head', e.seq)}"
     undone = d.get("done_not_undone") or []
     if undone:
         item.facts.append(("effects done, not undone", str(len(undone))))
+    chosen: dict[str, list[str]] = {}
+    for effect in undone:
+        if isinstance(effect, dict):
+            chosen.setdefault(str(effect.get("decision", "ask")), []).append(
+                str(effect.get("key", ""))
+            )
+    for choice, words in _ROLLBACK_CHOICES.items():
+        if chosen.get(choice):
+            item.facts.append((words, ", ".join(chosen[choice])))
     if d.get("held"):
         item.facts.append(("then", "on hold until continued"))
 

@@ -226,10 +226,11 @@ def effect_reused(
     return new(run, EventKind.EFFECT_REUSED, data=data, **at)
 
 
-def compensated(run: Any, *, what: str, compensation: dict, **at: Any) -> Event:
+def compensated(run: Any, *, what: str, compensation: dict, by: str = "", **at: Any) -> Event:
     """``compensation``: the compensating effect and the effect it undid (ids, function,
-    keys, result); ``what``: the undone effect in the customer's words."""
-    return new(run, EventKind.COMPENSATED, reason=f"{what} undone", data=compensation, **at)
+    keys, result); ``what``: the undone effect in the customer's words; ``by``: the
+    operator who chose it (at the rollback)."""
+    return new(run, EventKind.COMPENSATED, by=by, reason=f"{what} undone", data=compensation, **at)
 
 
 def effect_in_doubt(run: Any, *, effect: int, key: str, idempotency_key: str, **at: Any) -> Event:

@@ -194,6 +194,9 @@ def review(state, ctx):
             "draft": state["draft"],
             "sources": sorted({n["doc"] for n in state["notes"]}),
         },
+        # The draft is what gets published; the question and the sources are what it
+        # answers and rests on, shown for the decision, not edited.
+        editable=DraftEdit,
     )
     if not decision:
         state["outcome"] = f"rejected by {decision.by}: {decision.comment}"
@@ -428,6 +431,12 @@ def support_outcome(messages: list[dict]) -> str:
     return ""
 
 
+class DraftEdit(BaseModel):
+    """What an operator may change when approving a research answer for publishing."""
+
+    draft: str = Field(min_length=1, description="the text that is published")
+
+
 class RefundEdit(BaseModel):
     """What an operator may change when approving a refund."""
 
@@ -439,7 +448,7 @@ def refund_within_price(asked: dict, edited: dict) -> str | None:
     for is the order's full price, so that is the ceiling."""
     price = asked.get("amount_eur", 0)
     if not _valid_amount(edited.get("amount_eur"), price):
-        return f"amount must be between 0 and {price:g} EUR"
+        return f"amount must be more than 0 and at most {price:g} EUR (to refund nothing, reject)"
     return None
 
 

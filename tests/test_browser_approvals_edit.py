@@ -52,7 +52,9 @@ def test_approve_a_refund_with_edits_refused_above_the_price_then_kept(web, app)
     # More than the order cost: the agent's own sentence, and nothing recorded.
     amount.fill("500")
     page.get_by_role("button", name="Approve with these values").click()
-    expect(page.locator(".callout-error")).to_contain_text("amount must be between 0 and 349 EUR")
+    expect(page.locator(".callout-error")).to_contain_text(
+        "amount must be more than 0 and at most 349 EUR"
+    )
     approval.refresh_from_db()
     assert approval.status == ApprovalStatus.PENDING and approval.edited_payload == ""
     assert Run.objects.get(pk=run.pk).wait_detail == "refund"

@@ -220,16 +220,23 @@ def test_rollback_confirmation_lists_effects_done_after_the_target(as_operator):
     assert page.status_code == 200
     assert "is put on hold: nothing runs until an operator continues it (next step: pay)" in html
     assert "was done and will not be undone (it cannot be undone); if the run reaches pay" in html
-    response = as_operator.post(
-        url("rollback", run.id),
-        {
-            "checkpoint_id": run.checkpoints.get(seq=1).id,
-            "expected_head": run.head_seq,
-            "version": form_version(html),
-            "reason": "the answer was wrong",
-            "token": form_token(html),
-        },
+    form = {
+        "checkpoint_id": run.checkpoints.get(seq=1).id,
+        "expected_head": run.head_seq,
+        "version": form_version(html),
+        "token": form_token(html),
+    }
+    effect = run.effects.get().id
+    # Previewing the choices needs no reason; rolling back does.
+    before = counts()
+    preview = as_operator.post(
+        url("rollback", run.id), {**form, "action": "preview", f"effect-{effect}": "again"}
     )
+    assert preview.status_code == 200 and "is performed again without asking" in text_of(preview)
+    unsaid = as_operator.post(url("rollback", run.id), {**form, "action": "rollback"})
+    assert unsaid.status_code == 422 and "say why you roll back" in text_of(unsaid)
+    assert counts() == before
+    response = as_operator.post(url("rollback", run.id), {**form, "reason": "the answer was wrong"})
     assert response.status_code == 302
     assert response["Location"] == url("checkpoint", run.id, run.head_seq + 1)
     old_head = run.head_seq
@@ -590,6 +597,11 @@ def test_send_the_message_a_run_waits_for_once(as_operator):
             "send-token": form_token(page, "send"),
             "send-version": form_version(page, "send"),
         }
+        empty = as_operator.post(
+            url("send", run.id), {**data, "send-data": "  ", "send-as_json": ""}
+        )
+        assert empty.status_code == 422 and "the message is empty" in text_of(empty)
+        assert not Message.objects.filter(run=run).exists()
         assert as_operator.post(url("send", run.id), data).status_code == 302
         assert as_operator.post(url("send", run.id), data).status_code == 302
         assert Message.objects.filter(run=run).count() == 1  # the double submit: once

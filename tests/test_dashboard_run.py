@@ -406,7 +406,8 @@ def test_resuming_a_cancelled_run_and_cancelling_ask_for_confirmation(as_operato
     run = waiting_run("Confirm?")
     waiting = _actions(as_operator, run)
     cancel = waiting.split('<details class="confirm" data-keep="cancel">')[1].split("</details>")[0]
-    assert "Cancelling stops this run for good at checkpoint #2" in cancel
+    assert "Cancelling stops this run at checkpoint #2" in cancel
+    assert "Nothing runs again unless an operator resumes it" in cancel
     assert "Its 1 pending approval (ship) is superseded" in cancel
     assert ">Cancel the run</button>" in cancel and 'name="cancel-reason"' in cancel
     operations.cancel(run.id, by="seed", reason="setup")

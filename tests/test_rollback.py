@@ -229,6 +229,11 @@ def test_a_ticked_compensation_runs_once_before_the_run_continues(refunded, rece
     assert done["refund"].can_compensate and not done["email"].can_compensate
     operations.rollback(refunded.id, 1, by="ann", decisions={refund.pk: "compensate"})
     assert sent(receiver, "reverse") == 0  # on hold: nothing runs yet
+    # Continuing says, before the click, that it compensates first.
+    from dashboard import runinfo
+
+    held = Run.objects.get(pk=refunded.id)
+    assert runinfo.to_compensate(held) == ["refund (A1, 349), by reverse_refund"]
     operations.resume(refunded.id, by="ann")
     run = drive(refunded.id)
     assert sent(receiver, "reverse") == 1
@@ -237,6 +242,11 @@ def test_a_ticked_compensation_runs_once_before_the_run_continues(refunded, rece
     assert receiver.requests[compensation.idempotency_key] == 1
     event = Event.objects.get(run=refunded, kind=EventKind.COMPENSATED)
     assert event.reason == "refund (A1, 349) undone"
+    # The operator who chose it at the rollback: the audit log's row is theirs.
+    assert event.actor == "ann"
+    rolled = Event.objects.get(run=refunded, kind=EventKind.ROLLBACK)
+    facts = dict(timeline._event_item(rolled).facts)
+    assert facts["to compensate before it continues"] == "refund"
     # On the run's timeline, with what undid it.
     items = timeline.latest(Run.objects.get(pk=refunded.id)).items
     shown = [i for i in items if i.kind == event.kind]

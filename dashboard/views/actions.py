@@ -427,12 +427,12 @@ def fork(request: HttpRequest, ref: str) -> HttpResponse:
         return page(request, "dashboard/fork.html", {**context, "form": form}, status=422)
     except DurabilityError as exc:
         return _engine_refused(request, run, exc)
-    how = (
-        "what-if: its effects are recorded, not performed"
-        if data["mode"] == "what_if"
-        else "live: its effects are performed"
-    )
-    messages.success(request, f"Forked from #{cp.seq} of {run.short_id} into this new run ({how}).")
+    return _forked(request, run, cp.seq, new, what_if=data["mode"] == "what_if")
+
+
+def _forked(request: HttpRequest, run: Run, seq: int, new: Run, *, what_if: bool) -> HttpResponse:
+    how = "what-if: its effects are recorded, not performed" if what_if else "live"
+    messages.success(request, f"Forked from #{seq} of {run.short_id} into this new run ({how}).")
     return redirect("dashboard:run", ref=str(new.id))
 
 

@@ -10,6 +10,7 @@ import json
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
+from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django_htmx.http import trigger_client_event
@@ -53,7 +54,10 @@ def _card(request: HttpRequest, approval: Approval, *, error: str = "", status: 
     approval.view = runinfo.payload_view(approval.payload)  # type: ignore[attr-defined]
     approval.changes = edits.describe(edits.stored_changes(approval))  # type: ignore[attr-defined]
     mark_deciders(request.user, [approval])
-    context = {"approval": approval, "error": error}
+    # Decided from the inbox: its heading's count changes too.
+    shown_on = request.htmx.current_url_abs_path if request.htmx else None
+    inbox = (shown_on or "").split("?")[0] == reverse("dashboard:approvals")
+    context = {"approval": approval, "error": error, "inbox": inbox}
     return page(request, "dashboard/approval_card.html", context, status=status)
 
 

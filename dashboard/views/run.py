@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.urls import reverse
@@ -48,12 +50,7 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
         "graph": graph,
         "header_token": runinfo.header_token(run),
         "actions_token": runinfo.actions_token(run, approvals, doubts),
-        "can_resume": runinfo.can_resume(run),
-        "can_cancel": runinfo.can_cancel(run),
-        "resume_form": ReasonForm(prefix="resume"),
-        "cancel_form": ReasonForm(prefix="cancel", reason_required=True),
-        "send_form": _send_form(run),
-        "poll_seconds": _poll_seconds(run),
+        **_actions(run),
         "cursor": items.cursor.encode(),
         # On the run's own address the inspector follows the head as it moves; a checkpoint
         # the reader picked (its address, a click) stays put and only its head mark changes.
@@ -99,6 +96,19 @@ def checkpoint_detail(request: HttpRequest, ref: str, seq: int) -> HttpResponse:
         return rendered(page(request, "dashboard/run.html", _context(request, run, seq, tab)))
 
 
+def _actions(run: Run) -> dict[str, Any]:
+    """What the action bar is drawn from, on the page and in a poll alike."""
+    return {
+        "can_resume": runinfo.can_resume(run),
+        "can_cancel": runinfo.can_cancel(run),
+        "to_compensate": runinfo.to_compensate(run),
+        "resume_form": ReasonForm(prefix="resume"),
+        "cancel_form": ReasonForm(prefix="cancel", reason_required=True),
+        "send_form": _send_form(run),
+        "poll_seconds": _poll_seconds(run),
+    }
+
+
 def _live(request: HttpRequest, run: Run) -> HttpResponse:
     """A poll: compare what the page shows with what is, and send only the regions that
     changed, each as an out-of-band swap drawn from the same snapshot. The page says which
@@ -135,12 +145,7 @@ def _live(request: HttpRequest, run: Run) -> HttpResponse:
         "appended": appended,
         "send_header": changed_header,
         "send_actions": changed_actions,
-        "can_resume": runinfo.can_resume(run),
-        "can_cancel": runinfo.can_cancel(run),
-        "resume_form": ReasonForm(prefix="resume"),
-        "cancel_form": ReasonForm(prefix="cancel", reason_required=True),
-        "send_form": _send_form(run),
-        "poll_seconds": _poll_seconds(run),
+        **_actions(run),
         "graph": graph,
         "oob": True,
     }

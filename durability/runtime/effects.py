@@ -331,8 +331,20 @@ class Effects(Waits):
                     "result": value,
                 }
                 what = old.label or rollbacks.describe(old.key, [args, kwargs])
+                # The operator who ticked it at the rollback: the audit log's row is theirs.
+                chooser = (
+                    Event.objects.filter(
+                        run_id=self.run_id, kind=EventKind.ROLLBACK, seq=row.rollback.seq
+                    )
+                    .values_list("actor", flat=True)
+                    .first()
+                )
                 made = events.compensated(
-                    self.run_id, what=what, compensation=compensation, **self._here()
+                    self.run_id,
+                    what=what,
+                    compensation=compensation,
+                    by=chooser or "",
+                    **self._here(),
                 )
                 events.record(made)
 
