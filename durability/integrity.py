@@ -151,6 +151,13 @@ def _snapshot(cp: Checkpoint, from_parent: Any) -> tuple[str, Any]:
     if not cp.parent_id and canonical.sha256_hex(data) != cp.state_hash:
         return "its snapshot does not match its state hash", None
     if seal(cp.state_hash, data) != digest:
+        if canonical.sha256_hex(data) == cp.state_hash:
+            # Its content is the state its hash names: the seal, not the state, differs.
+            return (
+                "its snapshot does not match its digest, although its content matches its"
+                " state hash: it was sealed with another DURABILITY_HMAC_KEY (a database"
+                " restored elsewhere needs the key it was written with)"
+            ), None
         return "its snapshot does not match its digest", None
     try:
         state = canonical.loads(data)

@@ -2,7 +2,7 @@
 
 ``TRANSITIONS``, just below, is all of it: each operation names the statuses it applies to
 and the status it leads to; nothing else changes a run's status. Start and fork create a run
-queued (or, a fork at a checkpoint with no next step, succeeded: ``first_status``).
+queued (or, a fork at a checkpoint with no next step, succeeded: ``first_fields``).
 
 Each operation is one conditional UPDATE through ``Run.objects``: its WHERE clause names
 the statuses the table allows and, for a worker or an operator, the fencing token the caller
@@ -130,9 +130,11 @@ def _refuse_if_not_allowed(op: str, run_id: Any, token: int) -> None:
 # --- new runs, and the two hot paths written elsewhere ---------------------------------------
 
 
-def first_status(next_step: str) -> str:
-    """The status a new run (started, spawned or forked) begins in."""
-    return QUEUED if next_step else SUCCEEDED
+def first_fields(next_step: str) -> dict[str, Any]:
+    """A new run's status, and, for one that begins ended (a fork of a final checkpoint), when
+    it ended: retention and the lists go by that."""
+    status = QUEUED if next_step else SUCCEEDED
+    return {"status": status, "finished_at": Now() if status == SUCCEEDED else None}
 
 
 def claimed() -> dict[str, Any]:
@@ -404,7 +406,7 @@ __all__ = [
     "cancel",
     "claimed",
     "fail",
-    "first_status",
+    "first_fields",
     "graph_change",
     "park",
     "release",

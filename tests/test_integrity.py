@@ -143,6 +143,14 @@ def test_with_the_hmac_key_a_recomputed_digest_does_not_pass(settings):
     assert verify_run(run.id).first_bad == (bad.seq, "its snapshot does not match its digest")
 
 
+def test_a_database_read_with_another_hmac_key_says_so(settings):
+    settings.DURABILITY_HMAC_KEY = "the key it was written with"
+    run = drive(operations.start("hash-big", {}).id)
+    settings.DURABILITY_HMAC_KEY = "another key, after a restore"
+    seq, why = verify_run(run.id).first_bad
+    assert seq == 0 and "sealed with another DURABILITY_HMAC_KEY" in why
+
+
 def test_a_changed_patch_is_named_at_its_own_checkpoint():
     run = operations.start("hash-grow", {"n": 6})
     drive(run.id)

@@ -211,6 +211,18 @@ def test_fork_with_edited_state_starts_a_new_run():
     assert Event.objects.filter(run=run, kind=EventKind.FORK).exists()
 
 
+def test_a_fork_of_a_final_checkpoint_begins_ended_and_retention_sees_when():
+    run = drive(operations.start("ops-chain", {}).id)
+    operations.decide(run.id, "ship", approve=True, by="dev")
+    run = drive(run.id)
+    assert run.status == "succeeded"
+    fork = operations.fork(run.id, run.head_seq, by="dev")
+    assert fork.status == "succeeded" and fork.finished_at is not None
+    assert fork.step == ""
+    queued = operations.fork(run.id, 1, by="dev")
+    assert queued.status == "queued" and queued.finished_at is None
+
+
 def test_fork_with_state_failing_the_schema_is_refused():
     run = operations.start("ops-chain", {})
     before = counts()

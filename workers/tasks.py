@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from celery import shared_task
+from django.db import InterfaceError, OperationalError
 
 from durability import recovery
 from durability.runtime import executor
 from durability.runtime.faults import fault
+from durability.store.reconnect import drop
 from workers import shutdown
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(
@@ -29,7 +34,14 @@ def execute_run(self, run_id: str) -> str:
 
 @shared_task(name="durability.sweep", ignore_result=True)
 def sweep() -> dict:
-    report = recovery.sweep()
+    try:
+        report = recovery.sweep()
+    except (OperationalError, InterfaceError) as exc:
+        # The database away: the next sweep, two seconds on, tries again. One line each,
+        # not a traceback every two seconds for the length of an outage.
+        drop()
+        log.warning("sweep skipped: the database did not answer (%s)", str(exc).strip())
+        return {"skipped": 1}
     return {
         "recovered": len(report.recovered),
         "timers": len(report.timers),

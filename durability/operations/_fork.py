@@ -95,7 +95,7 @@ def _forked_run(source: Run, target: Checkpoint, *, what_if: bool, live: bool, b
     return Run.objects.create(
         agent=source.agent,
         agent_version=registry.get(source.agent).version,
-        status=lifecycle.first_status(target.next_step),
+        **lifecycle.first_fields(target.next_step),
         step=target.next_step,
         input=source.input,
         forked_from=source,

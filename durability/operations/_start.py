@@ -229,7 +229,7 @@ def _create_run(
         **extra,
         agent=definition.name,
         agent_version=definition.version,
-        status=lifecycle.first_status(first),
+        **lifecycle.first_fields(first),
         step=first,
         input=input_bytes.decode(),
         created_by=by,
