@@ -153,9 +153,21 @@ def claimed(run: Run, *, worker: str) -> Event:
 
 
 def recovered(
-    run: Run, *, worker: str, recovery_ms: float | None, work_lost_ms: float | None
+    run: Run,
+    *,
+    worker: str,
+    recovery_ms: float | None,
+    work_lost_ms: float | None,
+    why: str = "",
 ) -> Event:
-    data = {"recovery_ms": recovery_ms, "work_lost_ms": work_lost_ms, "attempt": run.attempts}
+    """``why``: how the lost attempt was found lost ("process gone", "lease expired")."""
+    data: dict[str, Any] = {
+        "recovery_ms": recovery_ms,
+        "work_lost_ms": work_lost_ms,
+        "attempt": run.attempts,
+    }
+    if why:
+        data["why"] = why
     return new(run, EventKind.RECOVERED, worker=worker, data=data)
 
 

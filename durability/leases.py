@@ -298,7 +298,10 @@ def _recovered_event(run: Run, worker: str) -> tuple[Event, dict[str, float | No
         lost_at = max(run.lost_heartbeat_at, head_at) if head_at else run.lost_heartbeat_at
     recovery_ms = max(0.0, (claimed_at - lost_at).total_seconds() * 1000) if lost_at else None
     lost_ms = max(0.0, (lost_at - head_at).total_seconds() * 1000) if lost_at and head_at else None
-    event = events.recovered(run, worker=worker, recovery_ms=recovery_ms, work_lost_ms=lost_ms)
+    why = "process gone" if run.lost_seen_at is not None else "lease expired"
+    event = events.recovered(
+        run, worker=worker, recovery_ms=recovery_ms, work_lost_ms=lost_ms, why=why
+    )
     return event, {"recovery_ms": recovery_ms, "work_lost_ms": lost_ms}
 
 

@@ -500,9 +500,10 @@ def _why(recovered: Event) -> str:
     verdict = verdicts.order_by("-id").only("reason", "worker").first()
     if verdict is not None:
         return f"{verdict.worker}: {verdict.reason}" if verdict.worker else verdict.reason
+    how = str(canonical.loads_object(recovered.data).get("why") or "its lease was taken over")
     if lost_claim is not None and lost_claim.worker:
-        return f"{lost_claim.worker}: stopped; its lease was taken over"
-    return ""
+        return f"{lost_claim.worker}: {how}"
+    return how
 
 
 # --- per agent ----------------------------------------------------------------------------------

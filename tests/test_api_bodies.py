@@ -118,3 +118,14 @@ def test_a_decision_moves_the_version_so_an_action_on_the_older_one_is_refused(o
     )
     assert "approval decided by omar" in problem(late, 409, "DUR112")["detail"]
     assert Run.objects.get(pk=run.pk).status == "queued"
+
+
+def test_a_rejection_with_an_edited_payload_is_refused_naming_it(ops):
+    run = waiting_run("reject with edits")
+    approval = Approval.objects.get(run=run)
+    before = counts()
+    both = ops.post(
+        f"/approvals/{approval.id}/decision", {"approve": False, "payload": {"sources": 1}}
+    )
+    assert problem(both, 422, "DUR100")["field"] == "payload"
+    assert counts() == before

@@ -144,6 +144,7 @@ def test_work_lost_runs_to_the_failure_not_to_the_last_heartbeat(faults, setting
     recovered = json.loads(Event.objects.get(run=run, kind=EventKind.RECOVERED).data)
     assert 1300 < recovered["work_lost_ms"] < 5000, recovered
     assert recovered["recovery_ms"] < 1000, recovered
+    assert recovered["why"] == "process gone"
 
 
 def test_repeated_keys_in_one_step_are_separate_records_and_loops_do_not_replay():

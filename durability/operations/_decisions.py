@@ -101,7 +101,9 @@ def _edited(
     if payload is None:
         return "", []
     if not approve:
-        raise InvalidInput("a rejection cannot carry an edited payload", run_id=run.id)
+        raise InvalidInput(
+            "a rejection cannot carry an edited payload", run_id=run.id, field="payload"
+        )
     canonical.check_json(payload, what="edited payload")
     asked_payload = canonical.loads(pending.payload)
     payload = approvals.complete(pending.editable, asked_payload, payload)
