@@ -10,7 +10,7 @@ from celery import Celery, signals
 from config import settings_check, telemetry
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
-if os.path.basename(sys.argv[0]) == "celery":
+if sys.argv and sys.argv[0].endswith(("celery", os.path.join("celery", "__main__.py"))):
     # A worker or beat started with a bad environment: one line naming the variable, not
     # Celery's traceback of the lazy settings (``settings_check``).
     settings_check.load_or_exit()

@@ -14,10 +14,14 @@ from django.core.exceptions import ImproperlyConfigured
 
 
 def load() -> None:
-    """Load the settings; their ``ImproperlyConfigured`` as it is."""
+    """Load the settings, and check the telemetry's variables; their
+    ``ImproperlyConfigured`` as it is."""
     from django.conf import settings
 
+    from config import telemetry
+
     settings.INSTALLED_APPS  # noqa: B018 - the import is the point
+    telemetry.check()
 
 
 def load_or_exit() -> None:

@@ -134,6 +134,17 @@ def _metric_exporter(name: str) -> Any:
     return OTLPMetricExporter()
 
 
+def check() -> None:
+    """``ImproperlyConfigured`` naming the OTEL_ variable at fault, before anything starts:
+    a worker's pool processes set telemetry up in a signal handler, where a refusal would
+    leave the worker hanging instead of stopping it."""
+    if not configured():
+        return
+    for signal in ("traces", "metrics"):
+        if "otlp" in exporters(signal):
+            protocol(signal)
+
+
 def setup(role: str, *, django: bool = False) -> bool:
     """Install the SDK for this process; returns False (and does nothing) when no signal has
     anywhere to go. ``role`` names the service when ``OTEL_SERVICE_NAME`` is not set."""

@@ -30,6 +30,7 @@ config. The project anchors it at its checkout.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Self, overload
 
@@ -146,6 +147,44 @@ class Number(Kind[float]):
         return str(int(value)) if value.is_integer() else repr(value)
 
 
+class Bounded(Number):
+    """A number in ``(low, high]``: a period or a size that 0 or less makes meaningless
+    (a sweep every 0 s, inputs of at most -1 bytes), a share that is at most 1."""
+
+    def __init__(self, low: float, high: float | None = None, noun: str = "") -> None:
+        self.low, self.high = low, high
+        self.noun = noun or f"a number over {low:g}"
+
+    def _within(self, value: float | None) -> float | None:
+        if value is None or value <= self.low or (self.high is not None and value > self.high):
+            return None
+        return value
+
+    def accept(self, value: object) -> float | None:
+        return self._within(super().accept(value))
+
+    def parse(self, text: str) -> float | None:
+        return self._within(super().parse(text))
+
+
+class Pattern(Text):
+    """A regular expression, compiled when the environment is read: a bad one is refused at
+    start, not by every run later. (Not when read: it is read on every redaction.)"""
+
+    noun = "a valid regular expression"
+
+    def parse(self, text: str) -> str | None:
+        return text if _compiles(text) else None
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
+
+
 class Flag(Kind[bool]):
     noun = "a boolean (use 1/0, true/false)"
 
@@ -178,6 +217,10 @@ class Names(Kind[tuple[str, ...]]):
 
 
 TEXT, FOLDER, WHOLE, NUMBER, FLAG, NAMES = Text(), Folder(), Whole(), Number(), Flag(), Names()
+POSITIVE = Bounded(0, noun="a number over 0")
+SHARE = Bounded(0, 1, noun="a share over 0 and at most 1 (0.999 for 99.9%)")
+SIZE = Counted(1)
+PATTERN = Pattern()
 
 
 # --- one declaration ----------------------------------------------------------------------------
@@ -307,7 +350,7 @@ class Engine(Declarations):
     AGENT_MODULES = Setting(
         NAMES, ("examples.agents",), "comma-separated modules whose import registers agents"
     )
-    LEASE_SECONDS = Setting(NUMBER, 30.0, "a run's lease; a stalled worker loses it after this")
+    LEASE_SECONDS = Setting(POSITIVE, 30.0, "a run's lease; a stalled worker loses it after this")
     HEARTBEAT_SECONDS = Setting(
         NUMBER,
         Derived("LEASE_SECONDS", _a_third, "a third of the lease"),
@@ -316,19 +359,19 @@ class Engine(Declarations):
     RECONNECT_MARGIN_SECONDS = Setting(
         NUMBER, 5.0, "after a database restart, how long beyond a heartbeat to take locks back"
     )
-    SWEEP_SECONDS = Setting(NUMBER, 2.0, "how often beat schedules a sweep")
+    SWEEP_SECONDS = Setting(POSITIVE, 2.0, "how often beat schedules a sweep")
     REQUEUE_SECONDS = Setting(
         NUMBER, 10.0, "a run queued but not claimed this long gets its doorbell rung again"
     )
     RING_TIMEOUT_SECONDS = Setting(
         NUMBER, 5.0, "how long a publish to the broker may take before the caller goes on"
     )
-    PRUNE_SECONDS = Setting(NUMBER, 3600.0, "how often beat applies retention policies")
+    PRUNE_SECONDS = Setting(POSITIVE, 3600.0, "how often beat applies retention policies")
     POISON_ATTEMPTS = Setting(
         WHOLE, 5, "claims in a row ending with the worker dying before the step is poison"
     )
-    MAX_STATE_BYTES = Setting(WHOLE, 16 * 1024 * 1024, "largest state accepted")
-    MAX_INPUT_BYTES = Setting(WHOLE, 1024 * 1024, "largest run input accepted")
+    MAX_STATE_BYTES = Setting(SIZE, 16 * 1024 * 1024, "largest state accepted")
+    MAX_INPUT_BYTES = Setting(SIZE, 1024 * 1024, "largest run input accepted")
     SLICE_SECONDS = Setting(NUMBER, 60.0, "a worker gives a long run back after this long")
     SHUTDOWN_GRACE_SECONDS = Setting(
         NUMBER, 10.0, "on SIGTERM, how long the current step may finish before it is abandoned"
@@ -357,13 +400,13 @@ class Engine(Declarations):
     HMAC_KEY = Setting(TEXT, "", "keys the checkpoint chain and the argument hashes")
     HMAC_KEY_FALLBACKS = Setting(NAMES, (), "earlier HMAC keys a replay accepts for arguments")
     SECRET_KEY_PATTERN = Setting(
-        TEXT,
+        PATTERN,
         "",
         "regular expression for secret-looking keys (empty: the built-in one)",
         shown="`api_key`, `token`, `password`, ...",
     )
     # Blobs
-    BLOB_BYTES = Setting(WHOLE, 256 * 1024, "strings over this many bytes move to the blob store")
+    BLOB_BYTES = Setting(SIZE, 256 * 1024, "strings over this many bytes move to the blob store")
     BLOB_DIR = Setting(FOLDER, _in_var_dir("blobs"), "the local blob folder")
     BLOB_STORAGE = Setting(TEXT, "", "a Django storage alias for blobs instead of the folder")
     BLOB_GC_GRACE_SECONDS = Setting(
@@ -371,15 +414,15 @@ class Engine(Declarations):
     )
     # Metrics and SLO targets
     METRICS_TOKEN = Setting(TEXT, "", "bearer token /metrics scrapers must send (empty: open)")
-    METRICS_WINDOW_SECONDS = Setting(NUMBER, 300.0, "the window /metrics figures cover")
+    METRICS_WINDOW_SECONDS = Setting(POSITIVE, 300.0, "the window /metrics figures cover")
     METRICS_CACHE_SECONDS = Setting(NUMBER, 5.0, "one /metrics answer serves scrapes this long")
-    SLO_COMMIT_SUCCESS = Setting(NUMBER, 0.999, "target share of commits that succeed")
-    SLO_COMMIT_P99_MS = Setting(NUMBER, 100.0, "target p99 commit latency (milliseconds)")
-    SLO_RECOVERY_P95_S = Setting(NUMBER, 30.0, "target p95 recovery time (seconds)")
-    SLO_WORK_LOST_P95_S = Setting(NUMBER, 60.0, "target p95 work lost (seconds)")
+    SLO_COMMIT_SUCCESS = Setting(SHARE, 0.999, "target share of commits that succeed")
+    SLO_COMMIT_P99_MS = Setting(POSITIVE, 100.0, "target p99 commit latency (milliseconds)")
+    SLO_RECOVERY_P95_S = Setting(POSITIVE, 30.0, "target p95 recovery time (seconds)")
+    SLO_WORK_LOST_P95_S = Setting(POSITIVE, 60.0, "target p95 work lost (seconds)")
     SLO_EFFECTS_IN_DOUBT_MAX = Setting(WHOLE, 0, "effects in doubt tolerated")
-    SLO_APPROVAL_WAIT_P95_MIN = Setting(NUMBER, 60.0, "target p95 approval wait (minutes)")
-    SLO_RUN_SUCCESS = Setting(NUMBER, 0.95, "target share of runs that succeed")
+    SLO_APPROVAL_WAIT_P95_MIN = Setting(POSITIVE, 60.0, "target p95 approval wait (minutes)")
+    SLO_RUN_SUCCESS = Setting(SHARE, 0.95, "target share of runs that succeed")
 
 
 conf = Engine()

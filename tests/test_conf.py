@@ -59,7 +59,11 @@ def test_an_unset_setting_is_its_declared_default(settings):
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("DURABILITY_LEASE_SECONDS", "30", "DURABILITY_LEASE_SECONDS must be a number, not '30'"),
+        (
+            "DURABILITY_LEASE_SECONDS",
+            "30",
+            "DURABILITY_LEASE_SECONDS must be a number over 0, not '30'",
+        ),
         ("DURABILITY_POISON_ATTEMPTS", 2.5, "must be a whole number, not 2.5"),
         ("DURABILITY_SEND_AHEAD", "yes", "DURABILITY_SEND_AHEAD must be a boolean"),
         ("DURABILITY_HMAC_KEY_FALLBACKS", "old-key", "must be a list of strings, not 'old-key'"),

@@ -128,6 +128,21 @@ def test_behind_a_tls_proxy(tmp_path):
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
+        ("DURABILITY_SECRET_KEY_PATTERN", "([", "is not a valid regular expression"),
+        ("DURABILITY_MAX_INPUT_BYTES", "-1", "is not a whole number of at least 1"),
+        ("DURABILITY_SWEEP_SECONDS", "0", "is not a number over 0"),
+        ("DURABILITY_SLO_COMMIT_SUCCESS", "5", "is not a share over 0 and at most 1"),
+    ],
+)
+def test_a_value_that_would_fail_later_is_refused_at_start(tmp_path, name, value, message):
+    done = settings_with(tmp_path, **{name: value})
+    assert done.returncode != 0
+    assert f"{name}={value!r} {message}" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
         ("SECURE_COOKIES", "maybe", "SECURE_COOKIES='maybe' is not a boolean"),
         ("SECURE_HSTS_SECONDS", "a year", "SECURE_HSTS_SECONDS='a year' is not a whole number"),
         # The engine's, the dashboard's and the API's, parsed from their declarations.
@@ -182,7 +197,7 @@ def test_a_command_started_with_a_bad_environment_says_why_in_one_line(tmp_path)
     assert "Traceback" not in done.stderr
     bad = _started(tmp_path, ["manage.py", "migrate"], DURABILITY_LEASE_SECONDS="abc")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: DURABILITY_LEASE_SECONDS='abc' is not a number"
+    assert bad.stderr.strip() == "error: DURABILITY_LEASE_SECONDS='abc' is not a number over 0"
 
 
 def test_the_web_process_refuses_to_load_with_a_bad_environment_rather_than_serve_errors(
@@ -200,10 +215,24 @@ def test_the_web_process_refuses_to_load_with_a_bad_environment_rather_than_serv
     [
         {"DURABILITY_LEASE_SECONDS": "6", "DURABILITY_HEARTBEAT_SECONDS": "20"},
         {"DURABILITY_LEASE_SECONDS": "6", "DURABILITY_HEARTBEAT_SECONDS": "6"},
-        {"DURABILITY_LEASE_SECONDS": "-1"},
+        {"DURABILITY_HEARTBEAT_SECONDS": "-1"},
     ],
 )
 def test_a_heartbeat_no_sooner_than_the_lease_expires_is_refused(tmp_path, env):
     done = settings_with(tmp_path, **env)
     assert done.returncode != 0
     assert "must be positive and shorter than DURABILITY_LEASE_SECONDS" in done.stderr
+
+
+def test_a_worker_started_with_a_bad_telemetry_variable_stops_saying_which(tmp_path):
+    """Its pool processes would meet it in a signal handler and leave the worker hanging."""
+    done = _started(
+        tmp_path,
+        ["-m", "celery", "-A", "config", "worker", "-Q", "none", "-c", "1"],
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/json",
+        SECRET_KEY="x",
+        CELERY_BROKER_URL="memory://",
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: OTEL_EXPORTER_OTLP_PROTOCOL='http/json'")
