@@ -370,15 +370,21 @@ class Instruments:
         self.recovery_duration = meter.create_histogram(
             "durability.recovery.duration",
             unit="s",
-            description="From the lost attempt's last sign of life to the run's next claim",
+            description="From the failure (the process found gone, or the last sign of life"
+            " of a stalled one) to the run's next claim",
         )
         self.work_lost = meter.create_histogram(
             "durability.recovery.work_lost",
             unit="s",
             description="From the last checkpoint to the failure (the recovery point)",
         )
-        self.in_doubt = meter.create_up_down_counter(
-            "durability.effects.in_doubt", description="Effects whose outcome is unknown"
+        # Counted where it happens (a worker finding an effect's outcome unknown); how many
+        # are in doubt now is /metrics' durability_effects_in_doubt, read from the database:
+        # an up-down counter here went up in the worker and never down (an operator resolves
+        # an effect in another process), and lost its value with the process.
+        self.in_doubt = meter.create_counter(
+            "durability.effects.in_doubt.found",
+            description="Effects found in doubt (their outcome unknown after a worker died)",
         )
         self.duplicates_prevented = meter.create_counter(
             "durability.effects.duplicates_prevented",
