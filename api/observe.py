@@ -134,6 +134,7 @@ def calls(
             "result": _data(j.result),
             "duration_ms": j.duration_ms,
             "replays": replays[j.id],
+            "reused_from": j.reused_from,
             "created_at": j.created_at,
         }
 

@@ -421,6 +421,11 @@ class CallOut(Schema):
     result: JSON
     duration_ms: float
     replays: int
+    reused_from: int | None = Field(
+        None,
+        description="in a what-if fork: the id of the source run's call it reused instead of"
+        " calling again (null: called)",
+    )
     created_at: datetime
 
 

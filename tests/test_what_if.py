@@ -79,3 +79,19 @@ def test_the_fork_timeline_marks_reused_calls_and_the_divergence(llm):
     reused = [i for i in items if ("reused", "from the source run, not called again") in i.facts]
     assert len(reused) == 2
     assert any(i.title == "diverged from the source run" for i in items)
+
+
+def test_the_api_says_which_calls_a_what_if_fork_reused(llm, live_server):
+    from tests.api_helpers import api_for, user_with
+
+    source = operations.start("test-whatif", {"topic": "leases"})
+    drive(source.id)
+    edited = {**state_of(source.id, 0), "style": "fancy"}
+    fork = operations.fork(source.id, 0, state=edited, what_if=True)
+    drive(fork.id)
+    viewer = api_for(live_server, user_with("viewer", "vera"))
+    calls = viewer.get(f"/runs/{fork.id}/calls").json()["items"]
+    reused = [c["reused_from"] for c in calls if c["reused_from"] is not None]
+    sources = set(JournalEntry.objects.filter(run=source).values_list("id", flat=True))
+    assert len(reused) == 2 and set(reused) <= sources
+    assert any(c["reused_from"] is None for c in calls)  # the calls the edit changed
