@@ -105,8 +105,15 @@ research = Agent(
     input_schema={
         "type": "object",
         "required": ["question"],
+        # A misspelt knob ("slowms") is refused, not silently dropped.
+        "additionalProperties": False,
         "properties": {
-            "question": {"type": "string", "minLength": 3, "maxLength": 500},
+            "question": {
+                "type": "string",
+                "minLength": 3,
+                "maxLength": 500,
+                "examples": ["Why add jitter to exponential backoff?"],
+            },
             "slow_ms": {"type": "number", "minimum": 0, "maximum": 60000},
             # Each failing step is retried: at most max_retries (6) failures in a row.
             "fail_transient": {"type": "integer", "minimum": 0, "maximum": 6},
@@ -236,9 +243,15 @@ support = Agent(
     input_schema={
         "type": "object",
         "required": ["customer", "message"],
+        "additionalProperties": False,
         "properties": {
-            "customer": {"type": "string", "minLength": 3},
-            "message": {"type": "string", "minLength": 1, "maxLength": 5000},
+            "customer": {"type": "string", "minLength": 3, "examples": ["grace@example.com"]},
+            "message": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 5000,
+                "examples": ["I want to return order A-1002"],
+            },
             "slow_ms": {"type": "number", "minimum": 0, "maximum": 60000},
             "fail_transient": {"type": "integer", "minimum": 0, "maximum": 6},
             "crash_at": {"enum": ["think", "act"]},

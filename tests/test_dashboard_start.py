@@ -77,6 +77,19 @@ def post(client: Client, **fields) -> object:
     return client.post(URL, data)
 
 
+@pytest.mark.parametrize("name", ["support", "research", "concierge"])
+def test_a_demo_agents_prefilled_example_starts_a_run_and_a_misspelt_field_is_refused(name):
+    from dashboard.views.start import _prefill
+    from durability import operations
+    from durability.errors import SchemaViolation
+
+    value = json.loads(_prefill(registry.get(name)))
+    assert operations.start(name, value).agent == name  # what the form offers is accepted
+    if name != "concierge":
+        with pytest.raises(SchemaViolation):
+            operations.start(name, {**value, "slowms": 800})
+
+
 def test_the_page_lists_every_agent_and_prefills_an_example(as_operator):
     assert reverse("dashboard:start") == URL
     html = text_of(as_operator.get(URL + "?agent=asker"))
