@@ -100,8 +100,9 @@ class _Arrival:
     reads nothing: libpq does, on the worker's thread) and notes the time. It does not wake
     for each answer, which would cost the busy worker a hand-over of the interpreter's lock
     per step, but once per ``LOOK_SECONDS`` while statements are in flight; a latency is
-    then late by at most that much (plus the lock's switch interval, 5 ms by default), far
-    below the commit latency objective's 100 ms."""
+    then late by at most two of those (a statement sent during a look waits for the next),
+    plus the lock's switch interval (5 ms by default): far below the commit latency
+    objective's 100 ms."""
 
     LOOK_SECONDS = 0.01
 
