@@ -175,11 +175,20 @@ def test_cancel_needs_a_reason_and_the_second_cancel_is_told_who_did_it(as_opera
     )
     assert first.status_code == 302
     assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
+    # On the version seen before the first: stale (a colleague acted), told who did what,
+    # back on the run's page.
     second = as_operator.post(
-        url("cancel", run.id), {"cancel-reason": "me too", "cancel-version": shown}
+        url("cancel", run.id), {"cancel-reason": "me too", "cancel-version": shown}, follow=True
     )
     html = text_of(second)
-    assert second.status_code == 409
+    assert "Nothing was done: the run moved on since you saw it" in html
+    assert "last: cancelled by olive" in html
+    # On the version it has now: already cancelled, said with the reason.
+    again = as_operator.post(
+        url("cancel", run.id), {"cancel-reason": "me too", "cancel-version": version(run)}
+    )
+    html = text_of(again)
+    assert again.status_code == 409
     assert "already cancelled" in html and "cancelled by olive" in html
     assert "wrong customer" in html
     assert Event.objects.filter(run=run, kind=EventKind.CANCELLED).count() == 1

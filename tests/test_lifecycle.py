@@ -87,8 +87,8 @@ def test_every_operation_is_in_the_table_and_tested():
     assert lifecycle.claimed()["status"] == lifecycle.TRANSITIONS["claim"].target
     assert lifecycle.after_step(False) == RunStatus.RUNNING
     assert lifecycle.after_step(True) == RunStatus.SUCCEEDED
-    assert lifecycle.first_status("only") == RunStatus.QUEUED
-    assert lifecycle.first_status("") == RunStatus.SUCCEEDED
+    assert lifecycle.first_fields("only")["status"] == RunStatus.QUEUED
+    assert lifecycle.first_fields("")["status"] == RunStatus.SUCCEEDED
 
 
 @pytest.mark.parametrize("op, status", cases(WORKER))
