@@ -175,9 +175,7 @@ def to_compensate(run: Run) -> list[str]:
         effect = row.effect
         if f"{rollbacks.COMPENSATION_KEY}{effect.pk}" in done:
             continue
-        args = canonical.loads(effect.args) if effect.args else None
-        what = effect.label or rollbacks.describe(effect.key, args)
-        shown.append(f"{what}, by {effect.compensate.rsplit('.', 1)[-1]}")
+        shown.append(f"{rollbacks.words_for(effect)}, by {effect.compensate.rsplit('.', 1)[-1]}")
     return shown
 
 

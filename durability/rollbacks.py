@@ -101,6 +101,14 @@ def describe(key: str, args: Any) -> str:
     return f"{key} ({', '.join(shown)})" if shown else key
 
 
+def words_for(effect: Any) -> str:
+    """A recorded effect (an ``Effect`` row) in the operator's terms: the agent's label, else
+    its key and arguments (``describe``)."""
+    return effect.label or describe(
+        effect.key, canonical.loads(effect.args) if effect.args else None
+    )
+
+
 def _short(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)

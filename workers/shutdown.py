@@ -29,6 +29,7 @@ from durability.errors import Abandon
 _shared = None  # a multiprocessing.Value made by the main process before the pool forks
 _main_pid: int | None = None  # the worker's main process
 _local = threading.Event()
+_begin_lock = threading.Lock()
 _in_step = threading.Event()
 _installed = False
 _grace_installed = False
@@ -81,16 +82,22 @@ WATCH_SECONDS = 0.5
 def _watch_shared_flag() -> None:
     while not _local.is_set():
         if _shared is not None and _shared.value:
-            _local.set()
-            _start_grace_timer()
+            _begin_grace()
             return
         time.sleep(WATCH_SECONDS)
 
 
 def _on_term(signum, frame) -> None:
-    if _local.is_set():
-        return
-    _local.set()
+    _begin_grace()
+
+
+def _begin_grace() -> None:
+    """This child was told to stop (its own SIGTERM, or the worker's flag): the grace period
+    starts, once however many of them say so."""
+    with _begin_lock:
+        if _local.is_set():
+            return
+        _local.set()
     _start_grace_timer()
 
 

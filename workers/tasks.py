@@ -6,12 +6,11 @@ import logging
 import os
 
 from celery import shared_task
-from django.db import InterfaceError, OperationalError
 
 from durability import recovery
 from durability.runtime import executor
 from durability.runtime.faults import fault
-from durability.store.reconnect import drop
+from durability.store.reconnect import DB_DOWN, drop
 from workers import shutdown
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ def execute_run(self, run_id: str) -> str:
 def sweep() -> dict:
     try:
         report = recovery.sweep()
-    except (OperationalError, InterfaceError) as exc:
+    except DB_DOWN as exc:
         # The database away: the next sweep, two seconds on, tries again. One line each,
         # not a traceback every two seconds for the length of an outage.
         drop()

@@ -25,7 +25,7 @@ from dashboard.permissions import operator_required
 from dashboard.submissions import AlreadySubmitted, spend
 from dashboard.templatetags.dashboard import ago
 from dashboard.views.common import explain, page, status_for
-from durability import canonical, operations, rollbacks
+from durability import operations, rollbacks
 from durability.agents import registry
 from durability.errors import DurabilityError, InvalidInput, InvalidTransition, Stale
 from durability.models import Checkpoint, Effect, EffectStatus, Event, Run
@@ -440,10 +440,7 @@ def _effects_done_after(run: Run, seq: int) -> list[str]:
     """What the run performed after checkpoint ``seq`` (on any branch), in the agent's words:
     what a live fork taking the same path performs again."""
     done = Effect.objects.filter(run=run, status=EffectStatus.DONE, base__seq__gte=seq)
-    return [
-        e.label or rollbacks.describe(e.key, canonical.loads(e.args) if e.args else None)
-        for e in done.order_by("id")[:20]
-    ]
+    return [rollbacks.words_for(e) for e in done.order_by("id")[:20]]
 
 
 def _schema_text(run: Run) -> str:

@@ -330,7 +330,7 @@ class Effects(Waits):
                     "key": old.key,
                     "result": value,
                 }
-                what = old.label or rollbacks.describe(old.key, [args, kwargs])
+                what = rollbacks.words_for(old)
                 # The operator who ticked it at the rollback: the audit log's row is theirs.
                 chooser = (
                     Event.objects.filter(
