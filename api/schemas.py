@@ -58,7 +58,12 @@ class RunOut(Schema):
     version: int = Field(..., description="the run's version: send it back as If-Match")
     head: int = Field(..., description="the number of the head checkpoint")
     step: str
-    waiting_for: str | None = Field(None, description="approval, message, timer, ...")
+    waiting_for: str | None = Field(
+        None,
+        description="what a waiting run waits for: approval, message, timer, in_doubt, retry,"
+        " children, version, concurrency, rate_limit, hold; a LangGraph graph executed in its"
+        " own process: graph (to go on) or interrupt (an answer)",
+    )
     wait_detail: str
     outcome: str
     error: str

@@ -280,24 +280,34 @@ class GraphChange:
     unless: dict[str, Any]
 
 
-def graph_change(op: str, *, detail: str = "", error: str = "", code: str = "") -> GraphChange:
+def graph_change(
+    op: str,
+    *,
+    detail: str = "",
+    error: str = "",
+    code: str = "",
+    wait: str = WaitReason.GRAPH,
+) -> GraphChange:
     """``graph_waits``: the graph's latest checkpoint has tasks still to run (it is running in
-    its process, or stopped there) or an interrupt waiting for an answer (``detail`` says
-    which). ``graph_ended``: it has no task to run, the graph reached its end (invoking it
-    again on the thread makes it wait again). ``graph_failed``: a node raised, ``error`` is
-    what LangGraph stored beside the checkpoint."""
+    its process, or stopped there: ``wait`` is ``WaitReason.GRAPH``) or an interrupt waiting
+    for an answer (``WaitReason.INTERRUPT``); ``detail`` says what. ``graph_ended``: it has
+    no task to run, the graph reached its end (invoking it again on the thread makes it wait
+    again). ``graph_failed``: a node raised, ``error`` is what LangGraph stored beside the
+    checkpoint."""
     cleared = {"wait_reason": WaitReason.NONE, "error": "", "error_code": "", "updated_at": At.NOW}
     if op == "graph_waits":
         detail = detail[:500]
         fields = {
             **cleared,
+            "wait_reason": wait,
             "wait_detail": detail,
             "wake_at": None,
             "finished_at": None,
             "outcome": "",
             "started_at": At.FIRST,  # the graph's first invocation
         }
-        return GraphChange(op, fields, {"status": WAITING, "wait_detail": detail})
+        unless = {"status": WAITING, "wait_reason": wait, "wait_detail": detail}
+        return GraphChange(op, fields, unless)
     if op == "graph_ended":
         return GraphChange(op, {**cleared, "wait_detail": "", "finished_at": At.NOW}, {})
     if op == "graph_failed":

@@ -20,6 +20,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
 
+from api import present
 from dashboard.runinfo import trace_of
 from durability.langgraph import DurableSaver
 from durability.models import Run
@@ -201,13 +202,14 @@ def test_a_report_made_before_one_already_written_never_overwrites_it():
     going_on()  # late
     run.refresh_from_db()
     assert run.status == "waiting" and run.wait_detail == f"{ANSWER}may I refund?"
+    assert run.wait_reason == "interrupt"
     # In order, each is written.
     again = Reporter()
     later = again.put(thread, "z2", {"branch:to:model": None}, run.head_seq)
     assert later is not None
     later()
     run.refresh_from_db()
-    assert run.wait_detail == MID_RUN
+    assert run.wait_reason == "graph" and run.wait_detail == MID_RUN
 
 
 def test_an_interrupt_is_reported_after_a_checkpoint_that_failed_to_be_stored():
@@ -251,6 +253,8 @@ def test_a_saver_that_never_saw_the_thread_reports_its_status_as_the_one_that_ma
         asked = fan_out().compile(checkpointer=first).invoke({"answers": []}, config)
         run = _run_of(first, thread)
         assert run.status == "waiting" and "may billing go on?" in run.wait_detail
+        # What the API says it waits for.
+        assert present.run(run)["waiting_for"] == "interrupt"
         answers = {i.id: "yes" for i in asked["__interrupt__"]}
         graph = fan_out().compile(checkpointer=other)
         assert sorted(graph.invoke(Command(resume=answers), config)["answers"]) == [
@@ -258,7 +262,8 @@ def test_a_saver_that_never_saw_the_thread_reports_its_status_as_the_one_that_ma
             "shipping: yes",
         ]
         run.refresh_from_db()
-        assert run.status == "succeeded" and run.wait_detail == ""
+        assert run.status == "succeeded" and run.wait_detail == "" and run.wait_reason == ""
+        assert present.run(run)["waiting_for"] is None
         kinds = list(run.events.order_by("id").values_list("kind", flat=True))
         assert kinds[-1] == "succeeded" and kinds.count("succeeded") == 1, kinds
     finally:
@@ -280,6 +285,7 @@ def test_a_static_breakpoint_shows_as_waiting_for_the_graph_to_go_on():
         assert graph.invoke({"n": 0}, config) == {"n": 0}
         run = _run_of(saver, thread_id)
         assert run.status == "waiting" and run.wait_detail == MID_RUN
+        assert present.run(run)["waiting_for"] == "graph"
         shown = json.loads(command("show", str(run.id), "--json"))["langgraph"]
         assert shown["next"] == ["child"] and shown["interrupts"] == []
         assert "graph.invoke(None, " in shown["how_to_continue"]

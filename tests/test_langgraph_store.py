@@ -15,9 +15,9 @@ from django.db import DataError, IntegrityError, connection, transaction
 from durability import canonical, checkpoints, events, operations, redact
 from durability.langgraph import store
 from durability.langgraph.models import Thread
-from durability.langgraph.status import MID_RUN
+from durability.langgraph.status import ANSWER, MID_RUN
 from durability.lifecycle import GraphChange, graph_change
-from durability.models import Checkpoint, Event, Mutation, Run, Snapshot
+from durability.models import Checkpoint, Event, Mutation, Run, Snapshot, WaitReason
 from durability.store import langgraph as lg_store
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
@@ -117,7 +117,11 @@ def test_a_new_thread_is_made_all_at_once_as_the_orm_makes_it():
 
 def _report(run_id, kind: str, text: str = "") -> bool:
     change = {
-        "wait": lambda: graph_change("graph_waits", detail=text),
+        "wait": lambda: graph_change(
+            "graph_waits",
+            detail=text,
+            wait=WaitReason.INTERRUPT if text.startswith(ANSWER) else WaitReason.GRAPH,
+        ),
         "end": lambda: graph_change("graph_ended"),
         "fail": lambda: graph_change("graph_failed", error=text, code="DUR501"),
     }[kind]()

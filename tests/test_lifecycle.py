@@ -68,7 +68,10 @@ CONDITIONAL = {
     "requeue": lambda run: lifecycle.requeue(run.pk, run.lease_token, Q()),
     # A LangGraph graph executed in its own process reports what its checkpoints say.
     "graph_waits": lambda run: lifecycle.apply_graph(
-        run.pk, lifecycle.graph_change("graph_waits", detail="an answer to: refund?")
+        run.pk,
+        lifecycle.graph_change(
+            "graph_waits", detail="an answer to: refund?", wait=WaitReason.INTERRUPT
+        ),
     ),
     "graph_ended": lambda run: lifecycle.apply_graph(run.pk, lifecycle.graph_change("graph_ended")),
     "graph_failed": lambda run: lifecycle.apply_graph(

@@ -20,7 +20,7 @@ from durability import canonical, checkpoints
 from durability.langgraph import options
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.status import MID_RUN
-from durability.models import Checkpoint, Event, EventKind, Run, RunStatus, Snapshot
+from durability.models import Checkpoint, Event, EventKind, Run, RunStatus, Snapshot, WaitReason
 from durability.store.base import write_checkpoint
 from durability.store.langgraph import AGENT_VERSION
 from durability.telemetry import current_traceparent
@@ -69,7 +69,7 @@ def _copy_namespace(old: Thread, target: str, graph: str, parent: Thread | None)
         agent=graph,
         agent_version=AGENT_VERSION,
         status=src.status if kept else RunStatus.WAITING,
-        wait_reason=src.wait_reason if kept else "",
+        wait_reason=src.wait_reason if kept else WaitReason.GRAPH,
         wait_detail=src.wait_detail if kept else MID_RUN,
         error=src.error if kept else "",
         error_code=src.error_code if kept else "",

@@ -38,7 +38,7 @@ from django.db import DatabaseError, connection
 from durability import events, lifecycle
 from durability.errors import StepError
 from durability.langgraph.models import Thread
-from durability.models import Event, RunStatus
+from durability.models import Event, RunStatus, WaitReason
 from durability.redact import redact
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
@@ -118,7 +118,11 @@ class Reporter:
         with self._lock:
             if thread.pk in self._said:
                 return
-            if run.status == RunStatus.WAITING and run.wait_detail == MID_RUN:
+            if (
+                run.status == RunStatus.WAITING
+                and run.wait_reason == WaitReason.GRAPH
+                and run.wait_detail == MID_RUN
+            ):
                 self._said[thread.pk] = f"wait:{MID_RUN}"
             elif run.status == RunStatus.SUCCEEDED:
                 self._said[thread.pk] = "end:"
@@ -246,7 +250,8 @@ class Report:
         event."""
         run_id, seq, text = self.thread.run_id, self.seq, self.text
         if self.kind == "wait":
-            change = lifecycle.graph_change("graph_waits", detail=text)
+            wait = WaitReason.INTERRUPT if text.startswith(ANSWER) else WaitReason.GRAPH
+            change = lifecycle.graph_change("graph_waits", detail=text, wait=wait)
             return change, events.suspended(run_id, wait="", detail=text, seq=seq)
         if self.kind == "end":
             return lifecycle.graph_change("graph_ended"), events.succeeded(run_id, seq=seq)

@@ -28,7 +28,15 @@ from durability.errors import IntegrityViolation
 from durability.langgraph.latest import Stored, ThreadDeleted, first
 from durability.langgraph.models import Thread
 from durability.langgraph.status import MID_RUN
-from durability.models import Checkpoint, CheckpointReason, Event, EventKind, Run, RunStatus
+from durability.models import (
+    Checkpoint,
+    CheckpointReason,
+    Event,
+    EventKind,
+    Run,
+    RunStatus,
+    WaitReason,
+)
 from durability.store import langgraph as lg_store
 from durability.store.langgraph import AGENT_VERSION, SCHEMA_VERSION
 from durability.telemetry import current_traceparent
@@ -86,6 +94,7 @@ def new_thread(
         agent=graph,
         agent_version=AGENT_VERSION,
         status=RunStatus.WAITING,
+        wait_reason=WaitReason.GRAPH,
         wait_detail=WAIT_DETAIL,
         started_at=timezone.now(),  # made by the graph's first checkpoint
         input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),

@@ -34,6 +34,10 @@ class WaitReason(models.TextChoices):
     # Left by a rollback (unless the operator chose "roll back and continue"): nothing runs
     # until an operator continues the run.
     HOLD = "hold", "an operator to continue it (on hold)"
+    # A LangGraph graph executed in its own process (``durability.langgraph``): nothing here
+    # ends these waits, the graph's process does when it invokes the graph again.
+    GRAPH = "graph", "its graph to go on, in its own process"
+    INTERRUPT = "interrupt", "an answer to an interrupt, from the graph's own process"
 
 
 # Waits that end by themselves at ``wake_at``.
