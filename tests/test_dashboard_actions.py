@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from html import escape
 from uuid import uuid4
 
 import pytest
@@ -622,6 +623,53 @@ def test_send_the_message_a_run_waits_for_once(as_operator):
         assert state_of(run.id)["reply"] == {"text": "yes"}
     finally:
         registry.unregister("dash-chat")
+
+
+def test_a_message_refused_because_the_run_moved_on_is_not_lost(as_operator):
+    """A send made on a page the run has left: nothing is sent, and what the operator typed
+    is put back in the form while the run still waits for a message, or quoted in the
+    notice once it no longer does."""
+    from django.db.models import F
+
+    from durability.models import Message
+
+    def ask(state, ctx):
+        state["reply"] = ctx.wait_for("reply")
+
+    registry.unregister("dash-draft")
+    Agent("dash-draft", steps=[ask])
+    try:
+        run = drive(operations.start("dash-draft", {}, by="seed").id)
+        page = text_of(as_operator.get(url("run", run.id)))
+        typed = 'a long answer <with> "markup"\nover two lines'
+        data = {
+            "send-name": "reply",
+            "send-data": typed,
+            "send-token": form_token(page, "send"),
+            "send-version": form_version(page, "send"),
+        }
+        # A colleague's decision moved the run on meanwhile; it still waits for a message.
+        Run.objects.filter(pk=run.pk).update(lease_token=F("lease_token") + 1)
+        refused = as_operator.post(url("send", run.id), data, follow=True)
+        html = text_of(refused)
+        assert "Nothing was sent" in html and "moved on" in html
+        assert "What you typed is back in the form" in html
+        box = re.search(r'<textarea name="send-data"[^>]*>(.*?)</textarea>', html, re.S)
+        assert box is not None and box.group(1) == escape(typed)
+        assert not Message.objects.filter(run=run).exists()
+        # Shown once: the next drawing of the page has an empty form.
+        again = text_of(as_operator.get(url("run", run.id)))
+        box = re.search(r'<textarea name="send-data"[^>]*>(.*?)</textarea>', again, re.S)
+        assert box is not None and box.group(1) == ""
+        # Someone else answered and the run finished: the text is quoted in the notice.
+        operations.send(run, "reply", "from a colleague", by="colleague")
+        assert drive(run.id).status == RunStatus.SUCCEEDED
+        late = text_of(as_operator.post(url("send", run.id), data, follow=True))
+        assert "Nothing was sent" in late and "no longer waits for a message" in late
+        assert escape(typed) in late
+        assert Message.objects.filter(run=run).count() == 1
+    finally:
+        registry.unregister("dash-draft")
 
 
 def test_a_nul_character_in_a_parameter_is_a_400_that_changes_nothing(as_operator):

@@ -19,7 +19,7 @@ from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
-from dashboard import graphruns, params, present, runinfo, states
+from dashboard import drafts, graphruns, params, present, runinfo, states
 from dashboard.forms import ForkForm, ReasonForm, ResolveForm, RollbackForm, SendForm
 from dashboard.permissions import operator_required
 from dashboard.submissions import AlreadySubmitted, spend
@@ -567,7 +567,26 @@ def send(request: HttpRequest, ref: str) -> HttpResponse:
             by=_who(request),
             expected_version=version,
         )
+    except InvalidTransition as exc:
+        # The run moved on since the page was drawn (or finished): the page as it is now,
+        # what was typed not lost.
+        run.refresh_from_db()
+        return _not_sent(request, run, form, explain(exc))
     except DurabilityError as exc:
         return _engine_refused(request, run, exc)
     messages.success(request, f"Message {data['name']!r} sent.")
     return redirect("dashboard:run", ref=str(run.id))
+
+
+def _not_sent(request: HttpRequest, run: Run, form: SendForm, why: str) -> HttpResponse:
+    """Back on the run's page, saying why nothing was sent, with the operator's text put
+    back in the form, or quoted when the run no longer waits for a message."""
+    text, as_json = form.cleaned_data["data"], bool(form.cleaned_data["as_json"])
+    if drafts.waits_for_message(run):
+        drafts.keep(request, run, text, as_json)
+        kept = "What you typed is back in the form: check the run and send it again."
+    elif text.strip():
+        kept = f"It no longer waits for a message; what you typed was: {drafts.quoted(text)}"
+    else:
+        kept = "It no longer waits for a message."
+    return land_on_run(request, run, f"Nothing was sent: {why} {kept}")

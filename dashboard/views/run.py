@@ -9,7 +9,7 @@ from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
-from dashboard import diffview, graphruns, params, present, runinfo, states, timeline
+from dashboard import diffview, drafts, graphruns, params, present, runinfo, states, timeline
 from dashboard.forms import ReasonForm, SendForm
 from dashboard.permissions import mark_deciders
 from dashboard.views.common import nothing, page, rendered, snapshot
@@ -51,6 +51,7 @@ def _context(request: HttpRequest, run: Run, seq: int | None, tab: str) -> dict:
         "header_token": runinfo.header_token(run),
         "actions_token": runinfo.actions_token(run, approvals, doubts),
         **_actions(run),
+        "send_draft": drafts.take(request, run) if drafts.waits_for_message(run) else None,
         "cursor": items.cursor.encode(),
         # On the run's own address the inspector follows the head as it moves; a checkpoint
         # the reader picked (its address, a click) stays put and only its head mark changes.
@@ -185,7 +186,7 @@ def _inspector_update(request: HttpRequest, run: Run) -> dict:
 
 def _send_form(run: Run) -> SendForm | None:
     """Offered while the run waits for a message, named as the run asked."""
-    if run.status != RunStatus.WAITING or run.wait_reason != "message":
+    if not drafts.waits_for_message(run):
         return None
     return SendForm(prefix="send", initial={"name": run.wait_detail})
 
