@@ -9,6 +9,7 @@ Runs in this process on PostgreSQL and, marked smoke, on the embedded default (S
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 from django.core.management import call_command
@@ -333,3 +334,44 @@ def test_a_compensation_is_only_found_in_the_agents_own_modules():
         rollbacks.compensation(agent, "os.system")
     with pytest.raises(ValueError, match="top level of a module"):
         rollbacks.compensation_name(lambda *a, **k: None)
+
+
+def test_show_says_which_decided_approvals_a_rollback_abandoned():
+    """``durability show`` lists every approval of the run; one asked on a branch a rollback
+    abandoned is said to decide nothing now (text), ``on_current_branch`` false (JSON), while
+    the one asked again on the current branch is not."""
+    from durability import Agent, registry
+
+    def prepare(state, ctx):
+        state["ready"] = True
+
+    def ask(state, ctx):
+        state["approved"] = ctx.approval("go", {"amount": 5}).approved
+
+    registry.unregister("show-branches")
+    Agent("show-branches", steps=[prepare, ask])
+    try:
+        run = drive(operations.start("show-branches", {}).id)
+        assert run.wait_reason == "approval"
+        operations.decide(run.id, "go", approve=True, by="ann")
+        assert drive(run.id).status == RunStatus.SUCCEEDED
+        operations.rollback(run.id, 0, by="ann", reason="again", and_continue=True)
+        run = drive(run.id)
+        assert run.wait_reason == "approval"  # asked again, on the new branch
+
+        def show(*extra: str) -> str:
+            out = io.StringIO()
+            call_command("durability", "show", str(run.id), *extra, stdout=out)
+            return out.getvalue()
+
+        text = show()
+        first, again = text.split("approvals:")[1].split("\n  go")[1:3]
+        assert "approved" in first and "decides nothing now" in first
+        assert "pending" in again and "decides nothing now" not in again
+        shown = json.loads(show("--json"))["approvals"]
+        assert [(a["status"], a["on_current_branch"]) for a in shown] == [
+            ("approved", False),
+            ("pending", True),
+        ]
+    finally:
+        registry.unregister("show-branches")

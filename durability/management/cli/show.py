@@ -22,20 +22,36 @@ def show(say: Say, ref: Any, *, as_json: bool) -> None:
     approvals = list(Approval.objects.filter(run=run).order_by("id"))
     effects = list(Effect.objects.filter(run=run).order_by("id"))
     events = list(Event.objects.filter(run=run).order_by("-id")[:20])
+    branch = _branch(run, cps)
     if as_json:
-        say(json.dumps(_as_json(run, cps, approvals, effects), indent=2, default=str))
+        say(json.dumps(_as_json(run, cps, approvals, effects, branch), indent=2, default=str))
         return
     _header(say, run)
     _checkpoints(say, cps)
-    _approvals(say, approvals)
+    _approvals(say, approvals, branch)
     _effects(say, effects)
     _events(say, events)
+
+
+def _branch(run: Run, cps: list[Checkpoint]) -> set[int]:
+    """The ids of the checkpoints the run's head descends from (its own included): an
+    approval asked from a checkpoint off this branch was rolled back past, and decides
+    nothing the run does now."""
+    parents = {c.pk: c.parent_id for c in cps}
+    head = next((c.pk for c in cps if c.seq == run.head_seq), None)
+    found: set[int] = set()
+    while head is not None and head not in found:
+        found.add(head)
+        head = parents.get(head)
+    return found
 
 
 # --- JSON ------------------------------------------------------------------------------------
 
 
-def _as_json(run: Run, cps: list, approvals: list, effects: list) -> dict[str, Any]:
+def _as_json(
+    run: Run, cps: list, approvals: list, effects: list, branch: set[int]
+) -> dict[str, Any]:
     return {
         "id": str(run.id),
         "agent": run.agent,
@@ -52,7 +68,7 @@ def _as_json(run: Run, cps: list, approvals: list, effects: list) -> dict[str, A
         "input": canonical.loads(run.input),
         "state": operations.state_at(run),
         "checkpoints": [_checkpoint_json(c) for c in cps],
-        "approvals": [_approval_json(a) for a in approvals],
+        "approvals": [_approval_json(a, branch) for a in approvals],
         "effects": [_effect_json(e) for e in effects],
         "calls": JournalEntry.objects.filter(run=run).count(),
         "parent": str(run.parent_run_id) if run.parent_run_id else None,
@@ -76,11 +92,13 @@ def _checkpoint_json(c: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _approval_json(a: Approval) -> dict[str, Any]:
+def _approval_json(a: Approval, branch: set[int]) -> dict[str, Any]:
     return {
         "id": a.pk,
         "name": a.name,
         "status": a.status,
+        # False: asked on a branch a rollback abandoned; its decision decides nothing now.
+        "on_current_branch": a.base_id in branch,
         "payload": canonical.loads(a.payload),
         # What was decided when it differs from what was asked (else null), and the
         # difference field by field.
@@ -146,13 +164,15 @@ def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
         )
 
 
-def _approvals(say: Say, approvals: list[Approval]) -> None:
+def _approvals(say: Say, approvals: list[Approval], branch: set[int]) -> None:
     if not approvals:
         return
     say("approvals:")
     for a in approvals:
         who = f" by {a.decided_by}" if a.decided_by else ""
         say(f"  {a.name:<14} {a.status:<10}{who} {a.comment}".rstrip())
+        if a.base_id not in branch and a.status != "superseded":
+            say("    on a branch a rollback abandoned: this decision decides nothing now")
         if a.status == "pending":  # what the operator is asked to decide (secrets redacted)
             say(f"    asks: {a.payload[:300]}{'...' if len(a.payload) > 300 else ''}")
         changed = edits.describe(edits.stored_changes(a))
