@@ -58,6 +58,17 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices``, as given in any case."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    for choice in choices:
+        if raw.strip().lower() == choice.lower():
+            return choice
+    raise ImproperlyConfigured(f"{name}={raw!r} is not one of {', '.join(choices)}")
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None or not raw.strip():

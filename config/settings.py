@@ -15,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from api.conf import Api
 from config.env import (
     env_bool,
+    env_choice,
     env_float,
     env_int,
     env_list,
@@ -122,9 +123,24 @@ PG_TCP_DEFAULTS = {
 }
 
 
+def _shown(url: str) -> str:
+    """``url`` as an error may quote it: without the credentials before its host."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}…@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
 def _database() -> dict:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
-    db = dj_database_url.parse(url, conn_max_age=env_int("CONN_MAX_AGE", 60))
+    try:
+        db = dj_database_url.parse(url, conn_max_age=env_int("CONN_MAX_AGE", 60))
+    except ValueError:
+        db = {"ENGINE": ""}
+    if db["ENGINE"] not in ("django.db.backends.postgresql", "django.db.backends.sqlite3"):
+        # Said before Django tries to load a driver the product does not use.
+        raise ImproperlyConfigured(
+            f"DATABASE_URL={_shown(url)!r} is not a database the product runs on: use"
+            " postgres://USER:PASSWORD@HOST:5432/NAME (PostgreSQL) or sqlite:///PATH"
+        )
     db["CONN_HEALTH_CHECKS"] = True
     if db["ENGINE"] == "django.db.backends.sqlite3":
         # Web, worker and beat share one file: WAL lets readers run beside the writer,
@@ -216,6 +232,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -229,12 +246,28 @@ LOGGING = {
             "filters": ["quiet_housekeeping"],
         }
     },
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", LOG_LEVELS)},
 }
 
 # --- Celery (the doorbell; PostgreSQL stays the truth) -------------------------------------
 
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+
+def _broker(url: str) -> str:
+    """``url`` if Celery has a transport for its scheme: said at start, not by the first
+    doorbell."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    scheme = url.partition("://")[0]
+    if "://" not in url or scheme not in TRANSPORT_ALIASES:
+        raise ImproperlyConfigured(
+            f"CELERY_BROKER_URL={_shown(url)!r} is not a broker URL: use"
+            " redis://HOST:6379/0 (rediss:// with TLS), or filesystem:// for the embedded"
+            " default"
+        )
+    return url
+
+
+CELERY_BROKER_URL = _broker(env_str("CELERY_BROKER_URL", "filesystem://"))
 if CELERY_BROKER_URL.startswith("filesystem://"):
     _broker_dir = private_dir(VAR_DIR) / "broker"
     for _sub in ("queue", "control"):

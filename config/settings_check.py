@@ -14,14 +14,24 @@ from django.core.exceptions import ImproperlyConfigured
 
 
 def load() -> None:
-    """Load the settings, and check the telemetry's variables; their
-    ``ImproperlyConfigured`` as it is."""
+    """Load the settings, and check the telemetry's variables and what the settings name in
+    each other; their ``ImproperlyConfigured`` as it is."""
     from django.conf import settings
 
     from config import telemetry
+    from durability.conf import conf
 
     settings.INSTALLED_APPS  # noqa: B018 - the import is the point
     telemetry.check()
+    # Checked here rather than in the settings module: a deployment's own settings module,
+    # importing ours, may add the storage after it.
+    blobs = conf.BLOB_STORAGE
+    if blobs and blobs not in settings.STORAGES:
+        raise ImproperlyConfigured(
+            f"DURABILITY_BLOB_STORAGE={blobs!r} names no storage in STORAGES (there:"
+            f" {', '.join(settings.STORAGES)}): add it to STORAGES, or leave the variable"
+            " empty to keep blobs in DURABILITY_BLOB_DIR"
+        )
 
 
 def load_or_exit() -> None:

@@ -29,6 +29,7 @@ config. The project anchors it at its checkout.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -185,6 +186,47 @@ def _compiles(pattern: str) -> bool:
     return True
 
 
+# A rate limit's period, by the names ``DURABILITY_RATE_LIMITS`` takes: its seconds.
+PERIODS = {"s": 1, "sec": 1, "second": 1, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+
+
+def rate_limits(spec: str) -> dict[str, tuple[float, float]]:
+    """``"openai=60/min,search=5/s"`` -> {resource: (capacity, per second)}; ``ValueError``
+    naming the part that is not ``NAME=AMOUNT/PERIOD`` with an amount over 0."""
+    limits = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, rate = part.partition("=")
+        amount, _, period = rate.partition("/")
+        try:
+            capacity = float(amount)
+        except ValueError:
+            capacity = math.nan
+        seconds = PERIODS.get(period.strip().lower())
+        if not name.strip() or seconds is None or not (0 < capacity < math.inf):
+            raise ValueError(
+                f"{part!r} is not NAME=AMOUNT/PERIOD (AMOUNT over 0; PERIOD: s, min or hour)"
+            )
+        limits[name.strip()] = (capacity, capacity / seconds)
+    return limits
+
+
+class Rates(Text):
+    """Shared rate limits (``rate_limits``), checked when the environment is read: a bad one
+    is refused at start, not by the first run that takes from it."""
+
+    noun = "a list of NAME=AMOUNT/PERIOD (AMOUNT over 0; PERIOD: s, min or hour)"
+
+    def accept(self, value: object) -> str | None:
+        return value if isinstance(value, str) and self.parse(value) is not None else None
+
+    def parse(self, text: str) -> str | None:
+        try:
+            rate_limits(text)
+        except ValueError:
+            return None
+        return text
+
+
 class Flag(Kind[bool]):
     noun = "a boolean (use 1/0, true/false)"
 
@@ -221,6 +263,7 @@ POSITIVE = Bounded(0, noun="a number over 0")
 SHARE = Bounded(0, 1, noun="a share over 0 and at most 1 (0.999 for 99.9%)")
 SIZE = Counted(1)
 PATTERN = Pattern()
+RATES = Rates()
 
 
 # --- one declaration ----------------------------------------------------------------------------
@@ -382,7 +425,7 @@ class Engine(Declarations):
     PRESENCE_SECONDS = Setting(
         NUMBER, 15.0, "how often workers announce the agent versions they can run"
     )
-    RATE_LIMITS = Setting(TEXT, "", "shared rate limits, e.g. openai=60/min,search=5/s")
+    RATE_LIMITS = Setting(RATES, "", "shared rate limits, e.g. openai=60/min,search=5/s")
     LOCK_DIR = Setting(FOLDER, _in_var_dir("locks"), "the embedded default's liveness locks")
     # The database
     PREPARED_STATEMENTS = Setting(FLAG, True, "prepare the commit statement per connection")

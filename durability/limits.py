@@ -18,38 +18,19 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from durability import lifecycle
-from durability.conf import conf
+from durability.conf import conf, rate_limits
 from durability.errors import AgentDefinitionError
 from durability.models import RateBucket, Run, RunStatus, WaitReason
 from durability.store import store
-
-_PERIODS = {
-    "s": 1.0,
-    "sec": 1.0,
-    "second": 1.0,
-    "min": 60.0,
-    "minute": 60.0,
-    "h": 3600.0,
-    "hour": 3600.0,
-}
 
 
 @lru_cache(maxsize=8)
 def _parse(spec: str) -> dict[str, tuple[float, float]]:
     """``"openai=60/min,search=5/s"`` -> {resource: (capacity, per second)}."""
-    limits = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        try:
-            name, rate = part.split("=", 1)
-            amount, period = rate.split("/", 1)
-            seconds = _PERIODS[period.strip().lower()]
-            limits[name.strip()] = (float(amount), float(amount) / seconds)
-        except (ValueError, KeyError):
-            raise AgentDefinitionError(
-                f"DURABILITY_RATE_LIMITS: {part!r} is not NAME=AMOUNT/PERIOD"
-                " (PERIOD: s, min or hour)"
-            ) from None
-    return limits
+    try:
+        return rate_limits(spec)
+    except ValueError as exc:
+        raise AgentDefinitionError(f"DURABILITY_RATE_LIMITS: {exc}") from None
 
 
 def configured() -> dict[str, tuple[float, float]]:

@@ -158,12 +158,24 @@ def test_a_value_that_would_fail_later_is_refused_at_start(tmp_path, name, value
             "fast",
             "DURABILITY_API_RATE_LIMIT='fast' is not <requests>/<seconds>",
         ),
+        (
+            "DURABILITY_RATE_LIMITS",
+            "openai=60/min,search=0/s",
+            "DURABILITY_RATE_LIMITS='openai=60/min,search=0/s' is not a list of"
+            " NAME=AMOUNT/PERIOD (AMOUNT over 0; PERIOD: s, min or hour)",
+        ),
+        ("LOG_LEVEL", "verbose", "LOG_LEVEL='verbose' is not one of DEBUG, INFO, WARNING"),
+        ("DATABASE_URL", "db.sqlite3", "DATABASE_URL='db.sqlite3' is not a database the"),
+        # A driver the product does not use is not loaded, and the password is not shown.
+        ("DATABASE_URL", "mysql://me:hunter2@db/x", "DATABASE_URL='mysql://…@db/x' is not"),
+        ("CELERY_BROKER_URL", "localhost:6379", "CELERY_BROKER_URL='localhost:6379' is not a"),
     ],
 )
 def test_a_bad_value_is_a_clear_error(tmp_path, name, value, message):
     done = settings_with(tmp_path, **{name: value})
     assert done.returncode != 0
     assert message in done.stderr
+    assert "hunter2" not in done.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
@@ -236,3 +248,24 @@ def test_a_worker_started_with_a_bad_telemetry_variable_stops_saying_which(tmp_p
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: OTEL_EXPORTER_OTLP_PROTOCOL='http/json'")
+
+
+def test_a_blob_storage_that_names_no_storage_is_refused_at_start(tmp_path):
+    done = _started(tmp_path, ["manage.py", "durability", "list"], DURABILITY_BLOB_STORAGE="s3")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "error: DURABILITY_BLOB_STORAGE='s3' names no storage in STORAGES (there: default,"
+        " staticfiles): add it to STORAGES, or leave the variable empty to keep blobs in"
+        " DURABILITY_BLOB_DIR"
+    )
+
+
+def test_a_command_on_a_database_never_migrated_says_to_migrate(tmp_path):
+    """The embedded default's database before ``migrate`` (a fresh var dir): one line that
+    says what to do, the database's exit code, no traceback."""
+    done = _started(tmp_path, ["manage.py", "durability", "list"])
+    assert done.returncode == 6, done.stderr
+    assert "no such table: durability_run: this database has no tables of the product's;" in (
+        done.stderr
+    )
+    assert "python manage.py migrate" in done.stderr and "Traceback" not in done.stderr

@@ -12,6 +12,7 @@ from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
 from durability.langgraph import codec
 from durability.store import langgraph as lg_store
+from durability.store import unmigrated
 from durability.store.reconnect import drop
 
 if TYPE_CHECKING:
@@ -67,13 +68,8 @@ def explained(exc: DatabaseError) -> DatabaseError | None:
     """``exc`` said again with what to do where the product's tables are missing (the
     database was never migrated: PostgreSQL's "relation ... does not exist", SQLite's "no
     such table"); None for any other error."""
-    text = str(exc).strip()
-    if 'relation "durability_' not in text and "no such table: durability_" not in text:
-        return None
-    return type(exc)(  # the first line: PostgreSQL's next ones point into the statement
-        f"{text.splitlines()[0]}: this database has no tables of the product's; create them with"
-        " python manage.py migrate (see docs/langgraph.md)"
-    )
+    said = unmigrated(exc)
+    return None if said is None else type(exc)(f"{said} (see docs/langgraph.md)")
 
 
 def connected() -> bool:

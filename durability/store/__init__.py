@@ -52,4 +52,18 @@ def store() -> Store:
     return found
 
 
-__all__ = ["for_connection", "store"]
+def unmigrated(exc: BaseException) -> str | None:
+    """What to do when ``exc`` says the product's tables are missing (the database was never
+    migrated: PostgreSQL's "relation ... does not exist", SQLite's "no such table"), on one
+    line; None for any other error."""
+    text = str(exc).strip()
+    if 'relation "durability_' not in text and "no such table: durability_" not in text:
+        return None
+    # The first line: PostgreSQL's next ones point into the statement.
+    return (
+        f"{text.splitlines()[0]}: this database has no tables of the product's; create them"
+        " with python manage.py migrate"
+    )
+
+
+__all__ = ["for_connection", "store", "unmigrated"]

@@ -3,8 +3,8 @@
 Exit codes: 0 success; 1 the run failed or was cancelled (``start --wait``), or an
 operation failed; 2 bad input (unknown run, agent or checkpoint, invalid JSON...); 3 a
 checkpoint does not verify; 4 ``--wait`` stopped because the run waits for a person;
-5 ``--wait`` timed out; 6 the database cannot be reached. Every error is one line with its
-code, never a traceback.
+5 ``--wait`` timed out; 6 the database cannot be reached, or has none of the product's tables
+(run ``migrate``). Every error is one line with its code, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import InterfaceError, OperationalError
+from django.db import DatabaseError, InterfaceError, OperationalError
 
 from durability import dispatch, operations, telemetry
 from durability.agents import registry
@@ -42,6 +42,7 @@ from durability.management.cli.common import (
 )
 from durability.management.cli.show import show
 from durability.models import FINISHED, Run, RunStatus
+from durability.store import unmigrated
 
 
 class Command(BaseCommand):
@@ -70,7 +71,13 @@ class Command(BaseCommand):
             # The reader stopped reading (``| head``): what it read is all it wanted. The
             # rest of the output goes nowhere, so that flushing it at exit fails no more.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OperationalError, InterfaceError) as exc:
+        except DatabaseError as exc:
+            if (said := unmigrated(exc)) is not None:
+                raise CommandError(
+                    str(DatabaseUnavailable(said)), returncode=EXIT_DATABASE
+                ) from None
+            if not isinstance(exc, OperationalError | InterfaceError):
+                raise
             error = DatabaseUnavailable(
                 f"the database cannot be reached ({dispatch.why(exc)}); check DATABASE_URL"
                 " and that the server runs, then try again"
