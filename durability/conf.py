@@ -212,12 +212,10 @@ def rate_limits(spec: str) -> dict[str, tuple[float, float]]:
 
 class Rates(Text):
     """Shared rate limits (``rate_limits``), checked when the environment is read: a bad one
-    is refused at start, not by the first run that takes from it."""
+    is refused at start, not by the first run that takes from it. (Not when read, as
+    ``Pattern``: a value set in Django's settings is checked where it is used.)"""
 
     noun = "a list of NAME=AMOUNT/PERIOD (AMOUNT over 0; PERIOD: s, min or hour)"
-
-    def accept(self, value: object) -> str | None:
-        return value if isinstance(value, str) and self.parse(value) is not None else None
 
     def parse(self, text: str) -> str | None:
         try:

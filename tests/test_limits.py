@@ -104,15 +104,14 @@ def test_a_shared_rate_limit_spaces_calls_and_waits_without_a_worker(settings):
 
 
 def test_undeclared_resources_and_bad_specs_are_clear_errors(settings):
-    from django.core.exceptions import ImproperlyConfigured
-
     from durability import limits
 
-    # A bad spec is the settings' error (the environment's is refused at start).
+    # Set in Django's settings, a bad spec is refused where it is used (the environment's
+    # is refused at start, tests/test_settings.py).
     settings.DURABILITY_RATE_LIMITS = "x-llm=fast"
-    with pytest.raises(ImproperlyConfigured) as err:
+    with pytest.raises(AgentDefinitionError) as err:
         limits.take("x-llm")
-    assert "must be a list of NAME=AMOUNT/PERIOD" in str(err.value)
+    assert "'x-llm=fast' is not NAME=AMOUNT/PERIOD" in str(err.value)
     settings.DURABILITY_RATE_LIMITS = "x-llm=5/min"
     with pytest.raises(AgentDefinitionError):
         limits.take("other")
