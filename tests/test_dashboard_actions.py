@@ -587,8 +587,9 @@ def test_rollback_confirmation_names_children_cancelled_and_messages_returned(as
     assert "1 message consumed after #1 goes back to the inbox of the run" in html
 
 
-def test_send_the_message_a_run_waits_for_once(as_operator):
-    from durability.models import Message
+@pytest.fixture
+def asking():
+    """An agent whose one step waits for a message named "reply"; a run of it, waiting."""
 
     def ask(state, ctx):
         state["reply"] = ctx.wait_for("reply")
@@ -596,36 +597,40 @@ def test_send_the_message_a_run_waits_for_once(as_operator):
     registry.unregister("dash-chat")
     Agent("dash-chat", steps=[ask])
     try:
-        run = drive(operations.start("dash-chat", {}, by="seed").id)
-        assert (run.status, run.wait_reason, run.wait_detail) == ("waiting", "message", "reply")
-        page = text_of(as_operator.get(url("run", run.id)))
-        assert "waits for a message named" in page and url("send", run.id) in page
-        data = {
-            "send-name": "reply",
-            "send-data": '{"text": "yes"}',
-            "send-as_json": "on",
-            "send-token": form_token(page, "send"),
-            "send-version": form_version(page, "send"),
-        }
-        empty = as_operator.post(
-            url("send", run.id), {**data, "send-data": "  ", "send-as_json": ""}
-        )
-        assert empty.status_code == 422 and "the message is empty" in text_of(empty)
-        assert not Message.objects.filter(run=run).exists()
-        assert as_operator.post(url("send", run.id), data).status_code == 302
-        assert as_operator.post(url("send", run.id), data).status_code == 302
-        assert Message.objects.filter(run=run).count() == 1  # the double submit: once
-        event = Event.objects.get(run=run, kind="message_received")
-        assert event.actor == "olive"
-        bad = as_operator.post(url("send", run.id), {**data, "send-data": "{nope"})
-        assert bad.status_code == 422 and "not valid JSON" in text_of(bad)
-        assert drive(run.id).status == RunStatus.SUCCEEDED
-        assert state_of(run.id)["reply"] == {"text": "yes"}
+        yield drive(operations.start("dash-chat", {}, by="seed").id)
     finally:
         registry.unregister("dash-chat")
 
 
-def test_a_message_refused_because_the_run_moved_on_is_not_lost(as_operator):
+def test_send_the_message_a_run_waits_for_once(as_operator, asking):
+    from durability.models import Message
+
+    run = asking
+    assert (run.status, run.wait_reason, run.wait_detail) == ("waiting", "message", "reply")
+    page = text_of(as_operator.get(url("run", run.id)))
+    assert "waits for a message named" in page and url("send", run.id) in page
+    data = {
+        "send-name": "reply",
+        "send-data": '{"text": "yes"}',
+        "send-as_json": "on",
+        "send-token": form_token(page, "send"),
+        "send-version": form_version(page, "send"),
+    }
+    empty = as_operator.post(url("send", run.id), {**data, "send-data": "  ", "send-as_json": ""})
+    assert empty.status_code == 422 and "the message is empty" in text_of(empty)
+    assert not Message.objects.filter(run=run).exists()
+    assert as_operator.post(url("send", run.id), data).status_code == 302
+    assert as_operator.post(url("send", run.id), data).status_code == 302
+    assert Message.objects.filter(run=run).count() == 1  # the double submit: once
+    event = Event.objects.get(run=run, kind="message_received")
+    assert event.actor == "olive"
+    bad = as_operator.post(url("send", run.id), {**data, "send-data": "{nope"})
+    assert bad.status_code == 422 and "not valid JSON" in text_of(bad)
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert state_of(run.id)["reply"] == {"text": "yes"}
+
+
+def test_a_message_refused_because_the_run_moved_on_is_not_lost(as_operator, asking):
     """A send made on a page the run has left: nothing is sent, and what the operator typed
     is put back in the form while the run still waits for a message, or quoted in the
     notice once it no longer does."""
@@ -633,43 +638,35 @@ def test_a_message_refused_because_the_run_moved_on_is_not_lost(as_operator):
 
     from durability.models import Message
 
-    def ask(state, ctx):
-        state["reply"] = ctx.wait_for("reply")
-
-    registry.unregister("dash-draft")
-    Agent("dash-draft", steps=[ask])
-    try:
-        run = drive(operations.start("dash-draft", {}, by="seed").id)
-        page = text_of(as_operator.get(url("run", run.id)))
-        typed = 'a long answer <with> "markup"\nover two lines'
-        data = {
-            "send-name": "reply",
-            "send-data": typed,
-            "send-token": form_token(page, "send"),
-            "send-version": form_version(page, "send"),
-        }
-        # A colleague's decision moved the run on meanwhile; it still waits for a message.
-        Run.objects.filter(pk=run.pk).update(lease_token=F("lease_token") + 1)
-        refused = as_operator.post(url("send", run.id), data, follow=True)
-        html = text_of(refused)
-        assert "Nothing was sent" in html and "moved on" in html
-        assert "What you typed is back in the form" in html
-        box = re.search(r'<textarea name="send-data"[^>]*>(.*?)</textarea>', html, re.S)
-        assert box is not None and box.group(1) == escape(typed)
-        assert not Message.objects.filter(run=run).exists()
-        # Shown once: the next drawing of the page has an empty form.
-        again = text_of(as_operator.get(url("run", run.id)))
-        box = re.search(r'<textarea name="send-data"[^>]*>(.*?)</textarea>', again, re.S)
-        assert box is not None and box.group(1) == ""
-        # Someone else answered and the run finished: the text is quoted in the notice.
-        operations.send(run, "reply", "from a colleague", by="colleague")
-        assert drive(run.id).status == RunStatus.SUCCEEDED
-        late = text_of(as_operator.post(url("send", run.id), data, follow=True))
-        assert "Nothing was sent" in late and "no longer waits for a message" in late
-        assert escape(typed) in late
-        assert Message.objects.filter(run=run).count() == 1
-    finally:
-        registry.unregister("dash-draft")
+    run = asking
+    page = text_of(as_operator.get(url("run", run.id)))
+    typed = 'a long answer <with> "markup"\nover two lines'
+    data = {
+        "send-name": "reply",
+        "send-data": typed,
+        "send-token": form_token(page, "send"),
+        "send-version": form_version(page, "send"),
+    }
+    # A colleague's decision moved the run on meanwhile; it still waits for a message.
+    Run.objects.filter(pk=run.pk).update(lease_token=F("lease_token") + 1)
+    refused = as_operator.post(url("send", run.id), data, follow=True)
+    html = text_of(refused)
+    assert "Nothing was sent" in html and "moved on" in html
+    assert "What you typed is back in the form" in html
+    box = re.search(r'<textarea name="send-data"[^>]*>(.*?)</textarea>', html, re.S)
+    assert box is not None and box.group(1) == escape(typed)
+    assert not Message.objects.filter(run=run).exists()
+    # Shown once: the next drawing of the page has an empty form.
+    again = text_of(as_operator.get(url("run", run.id)))
+    box = re.search(r'<textarea name="send-data"[^>]*>(.*?)</textarea>', again, re.S)
+    assert box is not None and box.group(1) == ""
+    # Someone else answered and the run finished: the text is quoted in the notice.
+    operations.send(run, "reply", "from a colleague", by="colleague")
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    late = text_of(as_operator.post(url("send", run.id), data, follow=True))
+    assert "Nothing was sent" in late and "no longer waits for a message" in late
+    assert escape(typed) in late
+    assert Message.objects.filter(run=run).count() == 1
 
 
 def test_a_nul_character_in_a_parameter_is_a_400_that_changes_nothing(as_operator):
