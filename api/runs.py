@@ -67,6 +67,9 @@ def list_runs(
     recovered: bool | None = Query(
         None, description="true: only runs resumed elsewhere after their worker died"
     ),
+    waiting_for: schemas.WaitingFor | None = Query(
+        None, description="only waiting runs that wait for this (as a run's waiting_for says)"
+    ),
     cursor: str | None = Query(None, max_length=200),
     limit: int = Query(50, ge=1, le=200),
 ):
@@ -78,6 +81,8 @@ def list_runs(
         runs = runs.filter(agent=agent)
     if status:
         runs = runs.filter(status=status)
+    if waiting_for:
+        runs = runs.filter(status=RunStatus.WAITING, wait_reason=waiting_for)
     if outcome:
         runs = runs.filter(outcome=outcome, status=RunStatus.SUCCEEDED)
     if since is not None:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from ninja import Field, Schema
 from pydantic import AfterValidator, ConfigDict
 
-from durability.models import RunStatus
+from durability.models import RunStatus, WaitReason
 
 JSON = Any  # any JSON value
 
@@ -159,6 +159,7 @@ class StartIn(Body):
 
 
 RunState = Literal[tuple(RunStatus.values)]  # type: ignore[valid-type]
+WaitingFor = Literal[tuple(v for v in WaitReason.values if v)]  # type: ignore[valid-type]
 EXPECTED_STATUS = (
     "the run's status as the caller saw it: refused (409, DUR112) if it is another now"
 )

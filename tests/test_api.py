@@ -393,6 +393,10 @@ def test_runs_list_filters_by_agent_outcome_since_and_input_text(viewer_api, ver
     Run.objects.filter(pk=late.pk).update(recoveries=1)
     assert ids(recovered="true") == of(late)
     assert ids(recovered="false") == of(declined, approved, old)
+    assert ids(waiting_for="approval") == of(late, old)
+    assert ids(waiting_for="approval", agent=verdict_agent) == ids(waiting_for="message") == []
+    refused = viewer_api.get("/runs", params={"waiting_for": "a person"})
+    assert refused.status_code == 422 and "waiting_for" in refused.text
     hour_ago = timezone.now() - timedelta(hours=1)
     assert ids(since=hour_ago.isoformat()) == of(declined, approved, late)
     # The same instant written with another UTC offset is the same filter.
