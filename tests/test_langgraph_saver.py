@@ -574,6 +574,8 @@ def test_relaxed_durability_stores_the_same_checkpoints():
     assert history(fresh, a) == history(theirs, b)
     (report,) = operations.verify(run_of(a).id)
     assert report.ok, str(report)
+    # The run says so, as the CLI, the API and the dashboard show it.
+    assert run_of(a).durability == "relaxed"
 
 
 def test_a_lost_connection_is_made_again():

@@ -69,6 +69,7 @@ def _copy_namespace(old: Thread, target: str, graph: str, parent: Thread | None)
         agent=graph,
         agent_version=AGENT_VERSION,
         status=src.status if kept else RunStatus.WAITING,
+        durability=src.durability,
         wait_reason=src.wait_reason if kept else WaitReason.GRAPH,
         wait_detail=src.wait_detail if kept else MID_RUN,
         error=src.error if kept else "",

@@ -534,6 +534,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 graph=self.graph,
                 create=create,
                 absent=mem.take_absent(thread_id, ns),
+                durability=self.durability,
             )
             if thread is None:
                 return None
@@ -572,7 +573,9 @@ class DurableSaver(BaseCheckpointSaver[int]):
         which the saver's thread looks up.) None if another process made it meanwhile."""
         try:
             thread, start = self._pool.run(
-                lambda db: store.new_thread(thread_id, "", graph=self.graph, parent=None, db=db)
+                lambda db: store.new_thread(
+                    thread_id, "", graph=self.graph, parent=None, db=db, durability=self.durability
+                )
             )
         except IntegrityError:
             return None

@@ -31,6 +31,7 @@ from durability.langgraph.status import MID_RUN
 from durability.models import (
     Checkpoint,
     CheckpointReason,
+    Durability,
     Event,
     EventKind,
     Run,
@@ -58,23 +59,34 @@ class NewCheckpoint:
 
 
 def thread_of(
-    thread_id: str, ns: str, *, graph: str, create: bool, absent: bool = False
+    thread_id: str,
+    ns: str,
+    *,
+    graph: str,
+    create: bool,
+    absent: bool = False,
+    durability: str = Durability.STRICT,
 ) -> tuple[Thread | None, Stored | None]:
     """The namespace's thread row and run; made (with the run and its empty first
     checkpoint) when ``create``. A subgraph's namespace is a child run of its parent's.
     Second: the first checkpoint, if this call made it (the parent of the thread's first
     ``put``, which need not read it back). ``absent``: the caller read the namespace a
     moment ago and found nothing, so it is made without being looked up first (if another
-    process made it meanwhile, making it fails and it is read, as below)."""
+    process made it meanwhile, making it fails and it is read, as below). ``durability``:
+    the saver's, which a run made here shows."""
     found = Thread.objects.select_related("run").filter(thread_id=thread_id, checkpoint_ns=ns)
     thread = None if create and absent else found.first()
     if thread is not None or not create:
         return thread, None
     parent = None
     if ns:
-        parent, _ = thread_of(thread_id, ns.rpartition("|")[0], graph=graph, create=True)
+        parent, _ = thread_of(
+            thread_id, ns.rpartition("|")[0], graph=graph, create=True, durability=durability
+        )
     try:
-        return new_thread(thread_id, ns, graph=graph, parent=parent, db=connection)
+        return new_thread(
+            thread_id, ns, graph=graph, parent=parent, db=connection, durability=durability
+        )
     except Exception:
         # Another process made it first (the unique thread and namespace).
         thread = found.first()
@@ -84,7 +96,13 @@ def thread_of(
 
 
 def new_thread(
-    thread_id: str, ns: str, *, graph: str, parent: Thread | None, db: Any
+    thread_id: str,
+    ns: str,
+    *,
+    graph: str,
+    parent: Thread | None,
+    db: Any,
+    durability: str = Durability.STRICT,
 ) -> tuple[Thread, Stored]:
     """Make the namespace's thread row, its run (a child of ``parent``'s, a subgraph's) and
     the run's empty first checkpoint, on the connection ``db``, all or none; and that
@@ -95,6 +113,7 @@ def new_thread(
         agent_version=AGENT_VERSION,
         status=RunStatus.WAITING,
         wait_reason=WaitReason.GRAPH,
+        durability=durability,
         wait_detail=WAIT_DETAIL,
         started_at=timezone.now(),  # made by the graph's first checkpoint
         input=canonical.dumps({"thread_id": thread_id, "checkpoint_ns": ns}).decode(),
