@@ -436,6 +436,12 @@ def test_a_graph_compiled_with_static_breakpoints_is_refused_naming_why(where):
         assert "compiled with interrupt_before or interrupt_after" in str(refused.value)
         assert "interrupt() in the node" in str(refused.value)
         assert not Run.objects.filter(agent="lg-breakpoints").exists()
+        # The deployment's to fix, not the caller's input: the API and the dashboard say it
+        # alike (500, with the code and the sentence above).
+        from api.problems import status_of
+        from dashboard.views.common import status_for
+
+        assert status_of(refused.value) == status_for(refused.value) == 500
     finally:
         registry.unregister("lg-breakpoints")
 

@@ -339,7 +339,8 @@ def test_a_compensation_is_only_found_in_the_agents_own_modules():
 def test_show_says_which_decided_approvals_a_rollback_abandoned():
     """``durability show`` lists every approval of the run; one asked on a branch a rollback
     abandoned is said to decide nothing now (text), ``on_current_branch`` false (JSON), while
-    the one asked again on the current branch is not."""
+    the one asked again on the current branch is not. Checkpoints name their parents by
+    number."""
     from durability import Agent, registry
 
     def prepare(state, ctx):
@@ -368,6 +369,10 @@ def test_show_says_which_decided_approvals_a_rollback_abandoned():
         first, again = text.split("approvals:")[1].split("\n  go")[1:3]
         assert "approved" in first and "decides nothing now" in first
         assert "pending" in again and "decides nothing now" not in again
+        # Parents by number, as the API says them: the rollback's checkpoint #3 on #0.
+        cps = json.loads(show("--json"))["checkpoints"]
+        assert [(c["seq"], c["parent"]) for c in cps] == [(0, None), (1, 0), (2, 1), (3, 0), (4, 3)]
+        assert "(parent #0)" in text
         shown = json.loads(show("--json"))["approvals"]
         assert [(a["status"], a["on_current_branch"]) for a in shown] == [
             ("approved", False),

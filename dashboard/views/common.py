@@ -13,10 +13,12 @@ from django.template.response import TemplateResponse
 
 from dashboard.permissions import is_operator, role_of
 from durability.errors import (
+    AgentDefinitionError,
     AlreadyDecided,
     DurabilityError,
     IntegrityViolation,
     InvalidTransition,
+    SecretMissing,
     UnknownApproval,
     UnknownCheckpoint,
     UnknownEffect,
@@ -53,6 +55,8 @@ def status_for(exc: DurabilityError) -> int:
         return 404
     if isinstance(exc, AlreadyDecided | InvalidTransition | IntegrityViolation):
         return 409
+    if isinstance(exc, AgentDefinitionError | SecretMissing):
+        return 500  # the agent's code on the server, not the operator's input (as the API)
     return 422
 
 

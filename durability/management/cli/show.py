@@ -52,6 +52,7 @@ def _branch(run: Run, cps: list[Checkpoint]) -> set[int]:
 def _as_json(
     run: Run, cps: list, approvals: list, effects: list, branch: set[int]
 ) -> dict[str, Any]:
+    seqs = _parent_seqs(cps)
     return {
         "id": str(run.id),
         "agent": run.agent,
@@ -67,7 +68,7 @@ def _as_json(
         "error": run.error,
         "input": canonical.loads(run.input),
         "state": operations.state_at(run),
-        "checkpoints": [_checkpoint_json(c) for c in cps],
+        "checkpoints": [_checkpoint_json(c, seqs) for c in cps],
         "approvals": [_approval_json(a, branch) for a in approvals],
         "effects": [_effect_json(e) for e in effects],
         "calls": JournalEntry.objects.filter(run=run).count(),
@@ -78,10 +79,11 @@ def _as_json(
     }
 
 
-def _checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+def _checkpoint_json(c: Checkpoint, seqs: dict[int, int]) -> dict[str, Any]:
     return {
         "seq": c.seq,
-        "parent": c.parent_id,
+        # The parent's number, as the API says it (a fork's first: in the run it came from).
+        "parent": seqs.get(c.parent_id) if c.parent_id else None,
         "reason": c.reason,
         "step": c.step,
         "next_step": c.next_step,
@@ -151,11 +153,22 @@ def _header(say: Say, run: Run) -> None:
         say(f"  error: {run.error}")
 
 
+def _parent_seqs(cps: list[Checkpoint]) -> dict[int, int]:
+    """Each checkpoint's parent's number, by the parent's id (one query for parents of
+    another run: a fork's first checkpoint)."""
+    seqs = {c.pk: c.seq for c in cps}
+    elsewhere = {c.parent_id for c in cps if c.parent_id and c.parent_id not in seqs}
+    if elsewhere:
+        seqs.update(Checkpoint.objects.filter(pk__in=elsewhere).values_list("id", "seq"))
+    return seqs
+
+
 def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
     say("checkpoints:")
+    seqs = _parent_seqs(cps)
     for c in cps:
-        up = c.parent
-        parent = f" (parent #{up.seq})" if up is not None and up.seq != c.seq - 1 else ""
+        up = seqs.get(c.parent_id) if c.parent_id else None
+        parent = f" (parent #{up})" if up is not None and up != c.seq - 1 else ""
         # A LangGraph checkpoint names no next step (its supersteps are listed below it).
         after = c.next_step or ("-" if is_graph_checkpoint(c) else "end")
         say(
