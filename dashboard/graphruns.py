@@ -61,7 +61,10 @@ class GraphRun:
     def code(self) -> str:
         """The call that continues the graph (with an answer, when it waits for one)."""
         asked = bool(self.asked or self.waiting.interrupts)
-        return continue_code(self.waiting.thread, interrupted=asked, ids=self.waiting.ids)
+        ended = self.waiting.ended and not asked
+        return continue_code(
+            self.waiting.thread, interrupted=asked, ids=self.waiting.ids, ended=ended
+        )
 
 
 def graph_run(run: Run) -> GraphRun | None:

@@ -112,7 +112,12 @@ def test_the_example_runs_in_its_own_process_and_its_run_says_where_it_is():
     run.refresh_from_db()
     assert run.status == "succeeded" and run.wait_detail == "" and run.finished_at
     done = json.loads(command("show", str(run.id), "--json"))["langgraph"]
-    assert done["next"] == [] and done["how_to_continue"] is None
+    # At its end: what goes on is a new turn, with new input (never ``invoke(None)``).
+    assert done["next"] == [] and done["how_to_continue"].startswith("graph.invoke(<new input>, ")
+    with pytest.raises(ExecutedElsewhere) as refused:
+        operations.cancel(run.id, by="ann")
+    assert "It reached its end; a new turn invokes it again with new input" in str(refused.value)
+    assert "invoke(None" not in str(refused.value)
     native = operations.start("research", {"question": "What is a fencing token?"}, by="ann")
     assert json.loads(command("show", str(native.id), "--json"))["langgraph"] is None
     kinds = list(Event.objects.filter(run=run).values_list("kind", flat=True).order_by("id"))

@@ -52,7 +52,8 @@ def as_json(run: Run) -> dict[str, Any] | None:
             {"node": n, "value": _json(v), "id": i or None} for n, v, i in waiting.interrupts
         ],
         "errors": [{"node": n, "error": e} for n, e in waiting.errors],
-        "how_to_continue": None if run.status == "succeeded" else waiting.code,
+        # At its end: the call that starts a new turn.
+        "how_to_continue": waiting.code,
         "supersteps": [
             {
                 "seq": seq,

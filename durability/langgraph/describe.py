@@ -92,12 +92,19 @@ class Waiting:
     errors: list[tuple[str, str]]
 
     @property
+    def ended(self) -> bool:
+        """The graph reached its end: no task to run, nothing asked, nothing failed."""
+        return not (self.next or self.interrupts or self.errors)
+
+    @property
     def how_to_continue(self) -> str:
-        return how_to_continue(self.thread, interrupted=bool(self.interrupts), ids=self.ids)
+        asked = bool(self.interrupts)
+        return how_to_continue(self.thread, interrupted=asked, ids=self.ids, ended=self.ended)
 
     @property
     def code(self) -> str:
-        return continue_code(self.thread, interrupted=bool(self.interrupts), ids=self.ids)
+        asked = bool(self.interrupts)
+        return continue_code(self.thread, interrupted=asked, ids=self.ids, ended=self.ended)
 
     @property
     def ids(self) -> list[str]:

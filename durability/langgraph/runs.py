@@ -68,12 +68,19 @@ def thread_config(thread: Thread | None) -> str:
 
 
 def continue_code(
-    thread: Thread | None, *, interrupted: bool = False, ids: Sequence[str] = ()
+    thread: Thread | None,
+    *,
+    interrupted: bool = False,
+    ids: Sequence[str] = (),
+    ended: bool = False,
 ) -> str:
     """The call that continues the graph on its thread, as Python source. ``ids``: the
     interrupts waiting, when there are several: LangGraph then wants one answer per
-    interrupt id, and refuses a single value."""
-    if ids:
+    interrupt id, and refuses a single value. ``ended``: the graph reached its end, and goes
+    on only with new input (a new turn)."""
+    if ended:
+        given = "<new input>"
+    elif ids:
         given = "Command(resume={" + ", ".join(f"{i!r}: ..." for i in ids) + "})"
     else:
         given = "Command(resume=...)" if interrupted else "None"
@@ -81,10 +88,16 @@ def continue_code(
 
 
 def how_to_continue(
-    thread: Thread | None, *, interrupted: bool = False, ids: Sequence[str] = ()
+    thread: Thread | None,
+    *,
+    interrupted: bool = False,
+    ids: Sequence[str] = (),
+    ended: bool = False,
 ) -> str:
     """One sentence: what continues the graph, in its own process."""
-    code = continue_code(thread, interrupted=interrupted, ids=ids)
+    code = continue_code(thread, interrupted=interrupted, ids=ids, ended=ended)
+    if ended:
+        return f"It reached its end; a new turn invokes it again with new input: {code}"
     if ids:
         return f"Answer each interrupt, by its id, from the graph's own process: {code}"
     if interrupted:
