@@ -362,3 +362,22 @@ def test_show_says_what_a_pending_approval_asks():
     at = lines.index("approvals:")
     assert lines[at + 1].split() == ["refund", "pending"]
     assert lines[at + 2].startswith('    asks: {"amount_eur":349.0,'), lines[at + 2]
+
+
+def ask_in_words(state, ctx):
+    state["approved"] = ctx.approval("go", "refund 349 EUR to order A-1?").approved
+
+
+def test_the_edit_page_shows_a_question_asked_as_text(as_operator):  # noqa: F811
+    """A payload that is not an object (a LangGraph ``interrupt("...")``'s question) is shown
+    as it was asked, on the edit page as on the inbox's card."""
+    registry.unregister("x-words")
+    Agent("x-words", steps=[ask_in_words])
+    try:
+        run = drive(operations.start("x-words", {}).id)
+        approval = Approval.objects.get(run=run)
+        page = as_operator.get(reverse("dashboard:approval", args=[approval.pk]))
+        asked = page.content.decode().split("As the agent asked</summary>")[1]
+        assert "refund 349 EUR to order A-1?" in asked.split("</details>")[0]
+    finally:
+        registry.unregister("x-words")
