@@ -249,6 +249,11 @@ def test_a_status_report_goes_with_its_checkpoint_as_the_orm_writes_them():
     assert (run.status, run.head_seq, run.finished_at is not None) == ("succeeded", 1, True)
     assert Event.objects.get(run_id=one.run_id, kind="succeeded").seq == 1
     assert _rows_after(one.run_id) == _rows_after(orm.run_id)
+    # In time order as in id order: the checkpoint, then what it changed (the dashboard's
+    # timeline merges events with calls and effects by time).
+    for run_id in (one.run_id, orm.run_id):
+        timed = Event.objects.filter(run_id=run_id).order_by("created_at", "id")
+        assert list(timed.values_list("kind", flat=True)) == ["created", "checkpoint", "succeeded"]
 
 
 def test_a_status_report_changes_nothing_when_its_checkpoint_is_not_stored():

@@ -347,7 +347,10 @@ def commit_reporting(
     condition, params = _condition(change)
     assignments, values = _assignments(conn, change)
     params.update(values, target=lifecycle.TRANSITIONS[change.op].target)
-    insert, values = _insert(event, "u", conn, {"run_id": "r.id", "seq": "r.head_seq"}, "r, e")
+    # Stamped by the database as the checkpoint's event is (``now()``, the same instant), and
+    # numbered after it: a timeline in time order shows the checkpoint, then what it changed.
+    refs = {"run_id": "r.id", "seq": "r.head_seq", "created_at": "now()"}
+    insert, values = _insert(event, "u", conn, refs, "r, e")
     params.update(values)
     key = (snapshot, relaxed, condition, tuple(assignments), insert)
     sql = _REPORTING.get(key)
