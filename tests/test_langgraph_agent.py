@@ -232,6 +232,13 @@ def test_input_the_graph_does_not_take_is_refused_before_a_run_is_made():
     for bad in ("hello", [1, 2]):
         with pytest.raises(SchemaViolation, match="input of agent lg-refund: the graph does not"):
             operations.start("lg-refund", bad)
+    # A key the graph has no channel for, which LangGraph itself would drop silently.
+    with pytest.raises(SchemaViolation) as misspelt:
+        operations.start("lg-refund", {"amount": 50, "payed": 0})
+    assert str(misspelt.value) == (
+        "[DUR102] input of agent lg-refund: the graph takes no 'payed' (it takes: amount,"
+        " answer, paid); nothing was started"
+    )
     assert Run.objects.count() == before
     run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
     assert run.status == RunStatus.QUEUED

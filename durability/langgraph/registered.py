@@ -178,8 +178,10 @@ class GraphAgent(Agent):
         is refused here, before a run is made, rather than by the run's first step."""
         state = super().initial_state(input)
         thread: Any = {"configurable": {"thread_id": "input", "checkpoint_ns": ""}}
+        graph = self.graph(StepSaver())
+        self._check_keys(graph, state["input"])
         try:
-            self.graph(StepSaver()).invoke(state["input"], thread, interrupt_before="*")
+            graph.invoke(state["input"], thread, interrupt_before="*")
         except AgentDefinitionError:
             raise  # the graph itself cannot be made: no input would do
         except Exception as exc:  # noqa: BLE001 - whatever LangGraph refuses the input with
@@ -187,6 +189,23 @@ class GraphAgent(Agent):
                 f"input of agent {self.name}: the graph does not take it ({_said(exc)})"
             ) from None
         return state
+
+    def _check_keys(self, graph: Any, given: Any) -> None:
+        """LangGraph drops the keys of an input it has no channel for, silently: a misspelt
+        one would start a run whose first node finds its value missing. Refused here, naming
+        the keys the graph takes."""
+        if not isinstance(given, dict):
+            return
+        try:
+            takes = set(graph.get_input_jsonschema().get("properties") or ())
+        except Exception:  # noqa: BLE001 - a schema LangGraph cannot describe: not checked
+            return
+        unknown = sorted(set(given) - takes)
+        if takes and unknown:
+            raise SchemaViolation(
+                f"input of agent {self.name}: the graph takes no {', '.join(map(repr, unknown))}"
+                f" (it takes: {', '.join(sorted(takes))}); nothing was started"
+            )
 
     def validate(self, state: Any) -> None:
         """The agent's checks, and the document's shape: an edited state (a fork, an
