@@ -76,6 +76,21 @@ def test_an_edit_langgraph_could_not_load_is_refused_creating_nothing(ledger, ed
     assert Run.objects.count() == before
 
 
+def test_an_edit_of_a_channel_the_graph_does_not_have_is_refused_creating_nothing(ledger):  # noqa: F811
+    """LangGraph would load it and drop it at the next superstep: a misspelt channel would
+    be an edit the operator believes was made."""
+    run = operations.start("lg-support", graphs.first_input())
+    drive(run.id)
+    state = copy.deepcopy(operations.state_at(run.id, FORKED_AT))
+    state["values"]["turn"] = 4  # the graph's channel is "turns"
+    before = Run.objects.count()
+    with pytest.raises(SchemaViolation) as refused:
+        operations.fork(run.id, FORKED_AT, state=state, by="ops")
+    said = str(refused.value)
+    assert "the graph has no channel 'turn' (its channels: " in said and "turns" in said, said
+    assert Run.objects.count() == before
+
+
 def test_an_edited_message_that_is_no_longer_a_message_is_refused_creating_nothing(ledger):  # noqa: F811
     """Messages are stored as their fields, which an operator may edit; an edit the
     message's class refuses is refused at the fork, not when a worker loads it."""

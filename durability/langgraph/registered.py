@@ -226,6 +226,16 @@ class GraphAgent(Agent):
         self.validate(state)
         if "checkpoint" not in state:
             return
+        # LangGraph loads a value of a channel the graph does not have and drops it at the
+        # next superstep: a misspelt channel would be an edit that is never made.
+        channels = set(self.graph(StepSaver()).channels)
+        unknown = sorted(set(state["values"]) - channels)
+        if unknown:
+            names = sorted(c for c in channels if not c.startswith(("__", "branch:")))
+            raise SchemaViolation(
+                f"state of agent {self.name}: the graph has no channel"
+                f" {', '.join(map(repr, unknown))} (its channels: {', '.join(names)})"
+            )
         saver = StepSaver()
         try:
             seed(saver, {"configurable": {"thread_id": "edit", "checkpoint_ns": ""}}, state)
