@@ -95,3 +95,66 @@ def test_the_api_says_which_calls_a_what_if_fork_reused(llm, live_server):
     sources = set(JournalEntry.objects.filter(run=source).values_list("id", flat=True))
     assert len(reused) == 2 and set(reused) <= sources
     assert any(c["reused_from"] is None for c in calls)  # the calls the edit changed
+
+
+def test_a_what_if_runs_children_perform_no_effect_either(effects):
+    """What a what-if run would have started is a what-if run too: its effects are recorded
+    as "would have run", none is sent; a live what-if run's children perform theirs."""
+    from durability import Agent, registry
+    from durability.models import Run
+    from tests.agents import post_effect
+
+    def pay(state, ctx):
+        state["paid"] = ctx.effect("pay", post_effect, f"pay {ctx.input['order']}")
+
+    def delegate(state, ctx):
+        child = ctx.spawn("x-payer", {"order": ctx.input["order"]})
+        state["children"] = ctx.join([child])
+
+    registry.unregister("x-payer")
+    registry.unregister("x-delegator")
+    Agent("x-payer", steps=[pay])
+    Agent("x-delegator", steps=[delegate])
+
+    def finished(run_id):
+        for _ in range(10):  # the parent waits for its child, which the driver runs next
+            for child in Run.objects.filter(parent_run_id=run_id):
+                drive(child.id)
+            if drive(run_id).status != RunStatus.WAITING:
+                break
+        return Run.objects.get(pk=run_id)
+
+    try:
+        source = operations.start("x-delegator", {"order": "K-1"})
+        assert finished(source.id).status == RunStatus.SUCCEEDED
+        assert sum(effects.requests.values()) == 1
+        fork = operations.fork(source.id, 0, what_if=True)
+        assert finished(fork.id).status == RunStatus.SUCCEEDED
+        child = Run.objects.get(parent_run=fork)
+        assert child.what_if and not child.what_if_live
+        assert [e.status for e in Effect.objects.filter(run=child)] == [EffectStatus.WOULD_RUN]
+        assert sum(effects.requests.values()) == 1  # nothing sent
+        live = operations.fork(source.id, 0, what_if=True, live=True)
+        assert finished(live.id).status == RunStatus.SUCCEEDED
+        assert Run.objects.get(parent_run=live).what_if_live
+        assert sum(effects.requests.values()) == 2
+    finally:
+        registry.unregister("x-payer")
+        registry.unregister("x-delegator")
+
+
+def test_the_cli_says_whether_a_what_if_fork_performs_its_effects(llm):
+    import io
+
+    from django.core.management import call_command
+
+    source = operations.start("test-whatif", {"topic": "cli"})
+    drive(source.id)
+    said = {}
+    for mode in ("--what-if", "--live"):
+        out = io.StringIO()
+        extra = ["--what-if", "--live"] if mode == "--live" else ["--what-if"]
+        call_command("durability", "fork", str(source.id), "--from", "1", *extra, stdout=out)
+        said[mode] = out.getvalue()
+    assert "recorded as would have run, not performed" in said["--what-if"]
+    assert "live: its effects (and its child runs') are performed for real" in said["--live"]

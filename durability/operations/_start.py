@@ -125,7 +125,9 @@ def spawn_child(
     parent: Run, base_id: int, key: str, occurrence: int, agent: str, input: Any, *, by: str
 ) -> Run:
     """A child run for ``ctx.spawn``; the caller holds the transaction and the parent's
-    lease. The child row is the spawn's record: its identity is unique."""
+    lease. The child row is the spawn's record: its identity is unique. A what-if run's
+    child is a what-if run too: what the parent would have started performs no effect
+    either (nor, unless the parent is live, do its children's)."""
     definition, input_bytes, state_bytes, input_hash = _prepared(agent, input)
     existing = Run.objects.filter(
         spawn_base_id=base_id, spawn_key=key, spawn_occurrence=occurrence
@@ -145,6 +147,8 @@ def spawn_child(
         spawn_base_id=base_id,
         spawn_key=key,
         spawn_occurrence=occurrence,
+        what_if=parent.what_if,
+        what_if_live=parent.what_if_live,
     )
     events.record(events.spawned(parent, child=child.id, agent=definition.name, key=key))
     return child

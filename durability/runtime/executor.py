@@ -160,9 +160,10 @@ class Execution(Stepping):
         self.period_started = time.monotonic()
         self.boundary_bytes = b""
         self.boundary_step = ""
+        # A what-if fork reuses its source's calls; a what-if run's child has no source.
         self.what_if = (
             WhatIf(row.id, row.forked_from_id, row.forked_from_seq or 0, row.what_if_live)
-            if row.what_if and row.forked_from_id
+            if row.what_if
             else None
         )
 

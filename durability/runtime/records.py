@@ -92,7 +92,9 @@ class ArgsHash:
 
 class WhatIf:
     """What a what-if fork may reuse: the source run's records after the fork point, each at
-    most once, matched by key, function and arguments, in the order they were recorded."""
+    most once, matched by key, function and arguments, in the order they were recorded. A
+    what-if run spawned by one has no source (``source_id`` None): it reuses nothing and
+    never diverges, and performs no effect unless ``live``, as its parent."""
 
     def __init__(self, run_id: Any, source_id: Any, from_seq: int, live: bool) -> None:
         self.run_id = run_id
@@ -103,6 +105,8 @@ class WhatIf:
         self._diverged: bool | None = None
 
     def _candidates(self) -> list[JournalEntry]:
+        if self._pool is None and self.source_id is None:
+            self._pool = []
         if self._pool is None:
             used = set(
                 JournalEntry.objects.filter(run_id=self.run_id)
@@ -129,6 +133,8 @@ class WhatIf:
 
     def diverge(self, proof: Settled, ctx: Any, key: str) -> None:
         """The first call the source never made: mark where the fork diverged, once."""
+        if self.source_id is None:
+            return
         if self._diverged is None:
             self._diverged = Event.objects.filter(
                 run_id=self.run_id, kind=EventKind.DIVERGED

@@ -266,6 +266,14 @@ class Command(BaseCommand):
         )
         kind = "what-if " if run.what_if else ""
         self.say(f"forked {kind}run {run.id} from #{opts['from_seq']} of {run.forked_from_id}")
+        if run.what_if:
+            # What the operator must know before the run goes further than the reused calls.
+            self.say(
+                "  live: its effects (and its child runs') are performed for real, under new keys"
+                if run.what_if_live
+                else "  its effects (and its child runs') are recorded as would have run, not"
+                " performed"
+            )
 
     def _stdin(self) -> str:
         try:
