@@ -236,6 +236,36 @@ def test_effect_whose_outcome_is_unknown_waits_in_doubt_until_resolved(faults):
     assert state_of(run.id)["receipt"] == {"sent": "card"}
 
 
+def test_an_effect_being_performed_cannot_be_resolved():
+    """Pending while its run runs is not in doubt: a worker performs it now, and its outcome
+    would overwrite the operator's. Refused, nothing changed; the worker's outcome stands."""
+    from durability.errors import InvalidTransition
+
+    refused: list[str] = []
+
+    def charge(what: str, *, idempotency_key: str):
+        run_id = idempotency_key.split(":")[0]
+        effect = Effect.objects.get(run_id=run_id)
+        assert effect.status == EffectStatus.PENDING
+        try:
+            operations.resolve_effect(run_id, effect.pk, outcome="failed", by="ops")
+        except InvalidTransition as exc:
+            refused.append(str(exc))
+        return {"charged": what}
+
+    def step(state, ctx):
+        state["receipt"] = ctx.effect("charge", charge, "card")
+
+    agent("x-busy", steps=[step])
+    run = operations.start("x-busy", {})
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    assert len(refused) == 1 and "'charge' is being performed now by " in refused[0], refused
+    assert "nothing was changed" in refused[0]
+    assert Effect.objects.get(run=run).status == EffectStatus.DONE
+    assert not Event.objects.filter(run=run, kind="effect_resolved").exists()
+    assert state_of(run.id)["receipt"] == {"charged": "card"}
+
+
 def test_an_outcome_recorded_after_the_run_was_suspended_in_doubt_wakes_it():
     """The worker doing the effect lost the run meanwhile (a heartbeat that failed), and the
     worker that took it over found the effect unfinished and suspended the run in doubt.

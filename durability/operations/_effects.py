@@ -45,6 +45,17 @@ def resolve_effect(
                 " resolved",
                 run_id=run.id,
             )
+        if effect.status == EffectStatus.PENDING and run.status == RunStatus.RUNNING:
+            # Pending with its worker gone (the run queued again, not yet claimed) is in doubt
+            # in all but name; pending while the run runs is being performed now, and the
+            # worker's own outcome would overwrite the operator's.
+            worker = f" by {run.lease_owner}" if run.lease_owner else ""
+            raise InvalidTransition(
+                f"effect {effect.key!r} is being performed now{worker}; only an effect in doubt"
+                " can be resolved: nothing was changed (if its worker is dead, the run is"
+                " recovered and the effect found in doubt within the lease)",
+                run_id=run.id,
+            )
         if expected_attempts is not None and effect.attempts != expected_attempts:
             raise Stale(
                 f"effect {effect.key!r} was performed again since this was shown (attempt"
