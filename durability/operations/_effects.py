@@ -33,6 +33,12 @@ def resolve_effect(
     claim, which moves it on, so a repeated resolve never settles the next attempt."""
     if outcome not in ("done", "failed", "retry"):
         raise InvalidInput(f"outcome must be done, failed or retry, not {outcome!r}")
+    if outcome != "done" and result is not None:
+        # Dropped silently, the operator would believe the step receives it.
+        raise InvalidInput(
+            f"a result goes with done only: an effect marked {outcome} returns none to its"
+            " step; nothing was changed"
+        )
     with transaction.atomic():
         run = _locked(ref)
         refuse_outside_workers(run, "resolve an effect of it")

@@ -130,6 +130,13 @@ def _check_version(run: Run, expected_version: int | None) -> None:
     it reads inside this same locked transaction (the CLI without ``--expect-version``)."""
     if expected_version is None or run.lease_token == expected_version:
         return
+    if expected_version > run.lease_token:
+        # Not a version the run has left: one it never had (a typo, another run's).
+        raise Stale(
+            f"the run is at version {run.lease_token}, and has never been at"
+            f" {expected_version}: check the run and the version you meant (show prints it)",
+            run_id=run.id,
+        )
     raise Stale(
         f"the run moved on since you saw it: it was at version {expected_version}, it is"
         f" at {run.lease_token} now ({run.status}{_last_change(run)}); review it again",

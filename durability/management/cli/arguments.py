@@ -17,10 +17,37 @@ def _with_actor(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _at_least(low: int) -> Any:
+    """An argparse type: a whole number no lower than ``low`` (a negative count is refused
+    with the rule, not taken)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {low}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds over 0 (a timeout of -5 s waited for nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds over 0")
+    return value
+
+
 def _with_version(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expect-version",
-        type=int,
+        type=_at_least(0),
         metavar="N",
         help=(
             "act only if the run is still at this version (see show); without it, the command"
@@ -63,12 +90,12 @@ def _runs(sub: Any) -> None:
         help="override the agent's durability level for this run",
     )
     p.add_argument("--wait", action="store_true", help="wait until the run finishes or waits")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (with --wait)")
+    p.add_argument("--timeout", type=_seconds, help="seconds to wait (with --wait; 600)")
 
     p = sub.add_parser("list", help="list runs, newest first")
     p.add_argument("--status", choices=[s.value for s in RunStatus])
     p.add_argument("--agent", help="an agent name, or name@version as the list shows it")
-    p.add_argument("--limit", type=int, default=30)
+    p.add_argument("--limit", type=_at_least(1), default=30, help="at most this many runs (30)")
 
     p = sub.add_parser("show", help="show a run: header, checkpoints, approvals, effects, events")
     p.add_argument("run")

@@ -113,6 +113,8 @@ class Command(BaseCommand):
     # --- subcommands ---------------------------------------------------------------------
 
     def do_start(self, opts: dict) -> None:
+        if opts["timeout"] is not None and not opts["wait"]:
+            raise InvalidInput("--timeout goes with --wait; nothing was started")
         source = opts["input"]
         if source == "-":
             text, what = self._stdin(), "--input - (stdin)"
@@ -131,7 +133,7 @@ class Command(BaseCommand):
         )
         self.say(f"started {run.agent}@{run.agent_version} run {run.id}")
         if opts["wait"]:
-            self._wait(run, opts["timeout"])
+            self._wait(run, 600.0 if opts["timeout"] is None else opts["timeout"])
 
     def _wait(self, run: Run, timeout: float) -> None:
         give_up = time.monotonic() + timeout

@@ -1,0 +1,84 @@
+"""The CLI refuses arguments that cannot mean anything (a negative limit, a timeout of -5 s, a
+result with an outcome that returns none, a version the run never had) with the rule, before
+it acts: nothing is started or changed."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from durability import Agent, operations, registry
+from durability.models import Effect, EffectStatus, Event, Run, RunStatus
+from durability.testing import drive
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def cli(*args: str) -> str:
+    out = io.StringIO()
+    call_command("durability", *args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["list", "--limit", "-1"], "'-1' is not a whole number of at least 1"),
+        (["list", "--limit", "0"], "'0' is not a whole number of at least 1"),
+        (["start", "x", "--input", "{}", "--wait", "--timeout", "-5"], "of seconds over 0"),
+        (["start", "x", "--input", "{}", "--wait", "--timeout", "nan"], "of seconds over 0"),
+        (["cancel", "abcd", "--expect-version", "-1"], "'-1' is not a whole number of at least 0"),
+    ],
+)
+def test_a_number_that_cannot_mean_anything_is_refused(args, said):
+    with pytest.raises(CommandError, match=said):
+        cli(*args)
+
+
+def test_a_timeout_without_wait_is_refused_and_starts_nothing():
+    with pytest.raises(CommandError) as refused:
+        cli("start", "research", "--input", '{"question": "What is a lease?"}', "--timeout", "1")
+    assert str(refused.value) == "[DUR100] --timeout goes with --wait; nothing was started"
+    assert refused.value.returncode == 2 and not Run.objects.exists()
+
+
+def test_a_version_the_run_never_had_is_said_so():
+    run = operations.start("research", {"question": "What is a lease?"})
+    with pytest.raises(CommandError) as refused:
+        cli("cancel", str(run.id), "--expect-version", str(run.lease_token + 5))
+    assert f"has never been at {run.lease_token + 5}" in str(refused.value)
+    assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
+
+
+def doubtful(state, ctx):
+    state["paid"] = ctx.effect("charge", _charge, "card")
+
+
+def _charge(what: str, *, idempotency_key: str) -> dict:
+    return {"charged": what}
+
+
+@pytest.fixture
+def in_doubt(faults):
+    registry.unregister("x-doubtful")
+    Agent("x-doubtful", steps=[doubtful])
+    faults.set({"point": "after_effect", "action": "crash"})  # done, its outcome not recorded
+    run = drive(operations.start("x-doubtful", {}).id)
+    faults.clear()
+    assert (run.status, run.wait_reason) == (RunStatus.WAITING, "in_doubt"), run.error
+    yield run, Effect.objects.get(run=run)
+    registry.unregister("x-doubtful")
+
+
+@pytest.mark.parametrize("outcome", ["failed", "retry"])
+def test_a_result_with_an_outcome_that_returns_none_is_refused(in_doubt, outcome):
+    run, effect = in_doubt
+    with pytest.raises(CommandError) as refused:
+        cli("resolve", str(run.id), str(effect.pk), outcome, "--result", '{"x": 1}')
+    assert "a result goes with done only" in str(refused.value)
+    assert refused.value.returncode == 2
+    assert Effect.objects.get(pk=effect.pk).status == EffectStatus.IN_DOUBT
+    assert not Event.objects.filter(run=run, kind="effect_resolved").exists()
