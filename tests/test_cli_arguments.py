@@ -82,3 +82,20 @@ def test_a_result_with_an_outcome_that_returns_none_is_refused(in_doubt, outcome
     assert refused.value.returncode == 2
     assert Effect.objects.get(pk=effect.pk).status == EffectStatus.IN_DOUBT
     assert not Event.objects.filter(run=run, kind="effect_resolved").exists()
+
+
+def test_releasing_a_legal_hold_says_a_rollbacks_hold_remains(in_doubt):
+    """Two holds share the word: a legal hold (retention leaves the run alone) and a
+    rollback's (the run waits for an operator to continue it). Releasing the first says the
+    second remains; show says whether a run is on legal hold."""
+    run, effect = in_doubt
+    cli("resolve", str(run.id), str(effect.pk), "done", "--result", '{"charged": "card"}')
+    assert drive(run.id).status == RunStatus.SUCCEEDED
+    operations.rollback(run.id, 0, by="ann", reason="again")
+    assert "on legal hold: retention and deletion leave it alone" in cli("hold", str(run.id))
+    assert "on legal hold" in cli("show", str(run.id))
+    assert '"legal_hold": true' in cli("show", str(run.id), "--json")
+    released = cli("hold", str(run.id), "--release")
+    assert f"run {run.id} released from legal hold" in released
+    assert "still on hold after a rollback (not a legal hold): continue it with" in released
+    assert "on legal hold" not in cli("show", str(run.id))

@@ -145,8 +145,11 @@ def test_a_what_if_runs_children_perform_no_effect_either(effects):
 
 def test_the_cli_says_whether_a_what_if_fork_performs_its_effects(llm):
     import io
+    import json
 
     from django.core.management import call_command
+
+    from durability.models import Run
 
     source = operations.start("test-whatif", {"topic": "cli"})
     drive(source.id)
@@ -158,3 +161,12 @@ def test_the_cli_says_whether_a_what_if_fork_performs_its_effects(llm):
         said[mode] = out.getvalue()
     assert "recorded as would have run, not performed" in said["--what-if"]
     assert "live: its effects (and its child runs') are performed for real" in said["--live"]
+    fork = Run.objects.filter(forked_from=source, what_if_live=False).get()
+    out = io.StringIO()
+    call_command("durability", "show", str(fork.id), stdout=out)
+    assert f"forked from {source.id} at #1 (what-if: its effects are recorded as" in out.getvalue()
+    out = io.StringIO()
+    call_command("durability", "show", str(fork.id), "--json", stdout=out)
+    shown = json.loads(out.getvalue())
+    assert shown["forked_from"] == {"run": str(source.id), "seq": 1}
+    assert shown["what_if"] == {"live": False}

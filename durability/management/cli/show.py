@@ -62,6 +62,7 @@ def _as_json(
         "outcome": run.outcome if run.status == RunStatus.SUCCEEDED else "",
         "version": run.lease_token,
         "durability": run.durability,
+        "legal_hold": run.legal_hold,
         "wait": {"reason": run.wait_reason, "detail": run.wait_detail},
         "step": run.step,
         "head": run.head_seq,
@@ -73,6 +74,13 @@ def _as_json(
         "effects": [_effect_json(e) for e in effects],
         "calls": JournalEntry.objects.filter(run=run).count(),
         "parent": str(run.parent_run_id) if run.parent_run_id else None,
+        "forked_from": (
+            {"run": str(run.forked_from_id), "seq": run.forked_from_seq}
+            if run.forked_from_id
+            else None
+        ),
+        # What-if: effects recorded as would have run (live: performed), children alike.
+        "what_if": {"live": run.what_if_live} if run.what_if else None,
         "tree": operations.tree(run),
         # A LangGraph graph executed in its own process: its thread and supersteps (else null).
         "langgraph": lg_cli.as_json(run),
@@ -125,6 +133,14 @@ def _effect_json(e: Effect) -> dict[str, Any]:
 # --- text ------------------------------------------------------------------------------------
 
 
+def _what_if(run: Run) -> str:
+    if not run.what_if:
+        return ""
+    if run.what_if_live:
+        return " (what-if, live: its effects are performed)"
+    return " (what-if: its effects are recorded as would have run, not performed)"
+
+
 def _header(say: Say, run: Run) -> None:
     ended = f" · {run.outcome}" if run.status == RunStatus.SUCCEEDED and run.outcome else ""
     say(
@@ -137,8 +153,12 @@ def _header(say: Say, run: Run) -> None:
     )
     if run.lease_owner:
         say(f"  leased by {run.lease_owner} until {run.lease_expires_at:%H:%M:%S}")
+    if run.legal_hold:
+        say("  on legal hold: retention and deletion leave it alone")
     if run.forked_from_id:
-        say(f"  forked from {run.forked_from_id} at #{run.forked_from_seq}")
+        say(f"  forked from {run.forked_from_id} at #{run.forked_from_seq}{_what_if(run)}")
+    elif run.what_if:
+        say(f"  spawned by a what-if run{_what_if(run)}")
     if run.parent_run_id:
         say(f"  child of {run.parent_run_id} (spawned as {run.spawn_key!r})")
     children = list(Run.objects.filter(parent_run=run).order_by("created_at"))

@@ -41,7 +41,7 @@ from durability.management.cli.common import (
     json_arg,
 )
 from durability.management.cli.show import show
-from durability.models import FINISHED, Run, RunStatus
+from durability.models import FINISHED, Run, RunStatus, WaitReason
 from durability.store import unmigrated
 
 
@@ -363,7 +363,16 @@ class Command(BaseCommand):
         from durability.retention import hold
 
         run = hold(opts["run"], on=not opts["release"], by=self.by, reason=self.reason)
-        self.say(f"run {run.id} {'on legal hold' if run.legal_hold else 'released from hold'}")
+        if run.legal_hold:
+            self.say(f"run {run.id} on legal hold: retention and deletion leave it alone")
+            return
+        self.say(f"run {run.id} released from legal hold")
+        if run.status == RunStatus.WAITING and run.wait_reason == WaitReason.HOLD:
+            # Two holds share the word: this one is a rollback's, which resume ends.
+            self.say(
+                "  it is still on hold after a rollback (not a legal hold): continue it with"
+                f" durability resume {run.id}"
+            )
 
     def do_agents(self, opts: dict) -> None:
         for agent in registry.all():
