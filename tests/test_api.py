@@ -318,7 +318,13 @@ def test_approve_with_edits_then_the_run_finishes_with_them(operator_api):
     assert decided.status_code == 200, decided.text
     assert decided.json()["status"] == "approved" and decided.json()["decided_by"] == "olga"
     assert decided.json()["edited_payload"]["amount_eur"] == 200
-    twice = operator_api.post(f"/approvals/{card['id']}/decision", {"approve": False})
+    unsaid = operator_api.post(f"/approvals/{card['id']}/decision", {"approve": False})
+    # A rejection says why, before anything is looked at.
+    assert problem(unsaid, 422, "DUR100")["field"] == "comment"
+    assert "say why you reject it" in unsaid.text
+    twice = operator_api.post(
+        f"/approvals/{card['id']}/decision", {"approve": False, "comment": "too late"}
+    )
     problem(twice, 409, "DUR108")
     event = Event.objects.get(run=run, kind="approval_decided")
     assert event.actor == "olga" and event.reason == "capped" and "api token 'ci'" in event.data

@@ -125,7 +125,8 @@ def test_a_rejection_with_an_edited_payload_is_refused_naming_it(ops):
     approval = Approval.objects.get(run=run)
     before = counts()
     both = ops.post(
-        f"/approvals/{approval.id}/decision", {"approve": False, "payload": {"sources": 1}}
+        f"/approvals/{approval.id}/decision",
+        {"approve": False, "comment": "no", "payload": {"sources": 1}},
     )
     assert problem(both, 422, "DUR100")["field"] == "payload"
     assert counts() == before

@@ -117,7 +117,7 @@ def test_waiting_for_approval_then_approve(workers, llm):
     run = Run.objects.get()
     approved = cli(workers, "approve", str(run.id), "go", "--comment", "looks fine")
     assert approved.returncode == 0 and "approved" in approved.stdout
-    again = cli_process(workers, "approve", str(run.id), "go", "--reject")
+    again = cli_process(workers, "approve", str(run.id), "go", "--reject", "--comment", "no")
     assert again.returncode == 2 and "already approved by tester" in again.stderr
     wait_until(lambda: Run.objects.get().status == RunStatus.SUCCEEDED, timeout=30)
 

@@ -359,7 +359,7 @@ def test_a_node_asking_twice_asks_one_approval_after_the_other():
     assert waiting.status == RunStatus.WAITING and waiting.wait_reason == "approval"
     second = Approval.objects.get(run=run, status=ApprovalStatus.PENDING)
     assert operations.canonical.loads(second.payload) == {"question": "second?"}
-    operations.decide(run.id, "ask", approve=False, by="ops")
+    operations.decide(run.id, "ask", approve=False, by="ops", comment="not the second")
     done = drive(run.id)
     assert done.status == RunStatus.SUCCEEDED, done.error
     assert graphs.values_of(run.id) == {"first": True, "second": False}

@@ -262,7 +262,11 @@ def test_decide_unknown_approval_and_rejection_with_payload():
         operations.decide(run.id, "launch", approve=True)
     assert "pending: ship" in str(err.value)
     with pytest.raises(InvalidInput):
-        operations.decide(run.id, "ship", approve=False, payload={"x": 1})
+        operations.decide(run.id, "ship", approve=False, payload={"x": 1}, comment="no")
+    # A rejection says why: refused without, in the same words everywhere.
+    for unsaid in ("", "   "):
+        with pytest.raises(InvalidInput, match="say why you reject it"):
+            operations.decide(run.id, "ship", approve=False, by="a", comment=unsaid)
     assert Approval.objects.get(run=run).status == ApprovalStatus.PENDING
     operations.decide(run.id, "ship", approve=False, by="a", comment="no")
     with pytest.raises(AlreadyDecided):

@@ -39,7 +39,15 @@ def decide(
     run went on, so ``expected_version`` (the run version the decision was made on) keeps a
     repeated decision from settling the new question too. An edited ``payload`` must pass
     the agent's editable schema and check (``EditRefused``, nothing recorded); both the
-    asked and the decided payload are kept, and the decision's event lists what changed."""
+    asked and the decided payload are kept, and the decision's event lists what changed. A
+    rejection says why (``comment``): the step that asked reads it, and so does the audit
+    trail; the dashboard, the CLI and the API alike."""
+    if not approve and not str(comment or "").strip():
+        raise InvalidInput(
+            "say why you reject it (a comment): the step that asked and the audit trail get"
+            " the reason; nothing was decided",
+            field="comment",
+        )
     with transaction.atomic():
         run = _locked(ref)
         refuse_outside_workers(run, "decide an approval on it")

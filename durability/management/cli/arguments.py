@@ -152,7 +152,7 @@ def _decisions(sub: Any) -> None:
     p.add_argument("run")
     p.add_argument("name")
     p.add_argument("--reject", action="store_true")
-    p.add_argument("--comment", default="")
+    p.add_argument("--comment", default="", help="why (required with --reject)")
     p.add_argument(
         "--payload",
         help=(
