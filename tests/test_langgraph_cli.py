@@ -255,3 +255,30 @@ def test_an_error_of_several_lines_is_one_row_of_the_list():
     line = next(row for row in rows if row.startswith(run.short_id))
     assert line.endswith("InvalidUpdateError: Expected dict, got hello For troubleshoo"), line
     assert not any(row.startswith("For troubleshooting") for row in rows)
+
+
+def test_a_checkpoint_update_state_made_is_not_described_with_the_abandoned_branchs_tasks():
+    """Time travel: answered, then ``update_state`` on the checkpoint that asked. The new
+    checkpoint was made by the update, not by the tasks that ran from that checkpoint on the
+    branch left behind (their writes stay on it): no node, no answer is named for it."""
+    from langgraph.types import Command
+
+    thread = f"travel-{uuid.uuid4().hex[:8]}"
+    run = interrupted_here(thread)
+    saver = DurableSaver(graph="support-graph")
+    try:
+        graph = langgraph_support.build().compile(checkpointer=saver)
+        config = {"configurable": {"thread_id": thread}}
+        asked_at = graph.get_state(config).config
+        graph.invoke(Command(resume="yes"), config)
+        graph.update_state(asked_at, {"messages": []}, as_node="model")
+    finally:
+        saver.close()
+        gc.collect()
+    steps = json.loads(command("show", str(run.id), "--json"))["langgraph"]["supersteps"]
+    updated = [s for s in steps if s["source"] == "update"]
+    assert len(updated) == 1 and updated[0]["title"] == "state updated (update_state)"
+    assert updated[0]["tasks"] == [], updated[0]
+    # The branch that went on from the question still says who answered what.
+    answered = [t for s in steps for t in s["tasks"] if t["answers"]]
+    assert answered and answered[0]["answers"] == [["yes"]]

@@ -219,10 +219,12 @@ def supersteps(run_id: Any, seqs: Iterable[int]) -> dict[int, Superstep]:
     shown_steps = {}
     for seq, lg_id, parent, metadata, _ in saved:
         md = metadata if isinstance(metadata, dict) else {}
-        step = md.get("step")
-        shown_steps[seq] = Superstep(
-            seq, lg_id, str(md.get("source", "")), step, tasks.get(parent, []) if parent else []
-        )
+        source = str(md.get("source", ""))
+        # Only a superstep is made by the tasks that ran from its parent. An update_state or
+        # a fork from a checkpoint is not: that checkpoint's writes are the tasks of the
+        # branch that went on from it before (time travel leaves them there).
+        made_by = tasks.get(parent, []) if parent and source == "loop" else []
+        shown_steps[seq] = Superstep(seq, lg_id, source, md.get("step"), made_by)
     return shown_steps
 
 
