@@ -359,3 +359,21 @@ def test_a_compaction_that_did_not_happen_does_not_excuse_a_changed_patch():
         cp.seq,
         "its state hash does not follow from its parent's and its patch",
     )
+
+
+def test_show_json_of_a_run_that_does_not_verify_still_shows_the_run():
+    """``show`` is for looking, text or JSON: the run, its checkpoints and why its state is
+    not shown (``verify`` says which checkpoint), not one error line instead of the JSON."""
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    run = operations.start("hash-grow", {"n": 3})
+    drive(run.id)
+    rewrite("mutation", hashes(run)[2].pk, "line 2", "line 9")
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), "--json", stdout=out)
+    shown = json.loads(out.getvalue())
+    assert shown["state"] is None and shown["state_error"].startswith("[DUR200]")
+    assert [c["seq"] for c in shown["checkpoints"]] == [0, 1, 2, 3]

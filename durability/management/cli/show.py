@@ -9,6 +9,7 @@ from typing import Any
 
 from durability import approvals as edits
 from durability import canonical, operations
+from durability.errors import IntegrityViolation
 from durability.langgraph import cli as lg_cli
 from durability.langgraph.describe import is_graph_checkpoint
 from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run, RunStatus
@@ -53,6 +54,12 @@ def _as_json(
     run: Run, cps: list, approvals: list, effects: list, branch: set[int]
 ) -> dict[str, Any]:
     seqs = _parent_seqs(cps)
+    try:
+        state, state_error = operations.state_at(run), None
+    except IntegrityViolation as exc:
+        # Shown as the text is: the run and its history, with why its state is not (verify
+        # says which checkpoint).
+        state, state_error = None, str(exc)
     return {
         "id": str(run.id),
         "agent": run.agent,
@@ -68,7 +75,8 @@ def _as_json(
         "head": run.head_seq,
         "error": run.error,
         "input": canonical.loads(run.input),
-        "state": operations.state_at(run),
+        "state": state,
+        "state_error": state_error,
         "checkpoints": [_checkpoint_json(c, seqs) for c in cps],
         "approvals": [_approval_json(a, branch) for a in approvals],
         "effects": [_effect_json(e) for e in effects],
