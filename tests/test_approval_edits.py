@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from dashboard import notifications
 from dashboard.models import Notification
-from durability import Agent, RetryPolicy, Transient, operations, registry
+from durability import Agent, RetryPolicy, Transient, canonical, operations, registry
 from durability.approvals import EditRefused
 from durability.models import Approval, ApprovalStatus, Event, EventKind, Run, RunStatus
 from durability.testing import drive, state_of
@@ -361,7 +361,14 @@ def test_show_says_what_a_pending_approval_asks():
     lines = out.getvalue().splitlines()
     at = lines.index("approvals:")
     assert lines[at + 1].split() == ["refund", "pending"]
-    assert lines[at + 2].startswith('    asks: {"amount_eur":349.0,'), lines[at + 2]
+    # Field by field, each in full up to a line's worth (a second decision's question and
+    # the arguments it would perform now were cut off at 300 characters of the whole).
+    assert lines[at + 2] == "    asks:" and lines[at + 3] == "      amount_eur: 349.0", lines
+    long = "x" * 500
+    Approval.objects.filter(run=run).update(payload=canonical.dumps({"question": long}).decode())
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), stdout=out)
+    assert f"      question: {long}" in out.getvalue()
 
 
 def ask_in_words(state, ctx):

@@ -215,10 +215,27 @@ def _approvals(say: Say, approvals: list[Approval], branch: set[int]) -> None:
         if a.base_id not in branch and a.status != "superseded":
             say("    on a branch a rollback abandoned: this decision decides nothing now")
         if a.status == "pending":  # what the operator is asked to decide (secrets redacted)
-            say(f"    asks: {a.payload[:300]}{'...' if len(a.payload) > 300 else ''}")
+            _asks(say, a.payload)
         changed = edits.describe(edits.stored_changes(a))
         if changed:
             say(f"    with edits: {changed}")
+
+
+def _asks(say: Say, payload: str) -> None:
+    """What a pending approval asks: an object field by field (a second decision's question
+    and the arguments it would perform now each in full, up to a line's worth), else whole."""
+    asked = canonical.loads(payload) if payload else None
+    if not isinstance(asked, dict) or not asked:
+        say(f"    asks: {_cut(payload, 300)}")
+        return
+    say("    asks:")
+    for key, value in asked.items():
+        text = value if isinstance(value, str) else canonical.dumps(value).decode()
+        say(f"      {key}: {_cut(text, 600)}")
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _effects(say: Say, effects: list[Effect]) -> None:
