@@ -160,23 +160,8 @@ def to_compensate(run: Run) -> list[str]:
     if run.status != RunStatus.WAITING or run.wait_reason != WaitReason.HOLD:
         return []
     from durability import rollbacks
-    from durability.models import AbandonedEffect, Repeat
 
-    ticked = AbandonedEffect.objects.filter(
-        run=run, rollback__seq=run.head_seq, choice=Repeat.COMPENSATE
-    ).select_related("effect")
-    done = set(
-        Effect.objects.filter(
-            run=run, key__in=[f"{rollbacks.COMPENSATION_KEY}{a.effect_id}" for a in ticked]
-        ).values_list("key", flat=True)
-    )
-    shown = []
-    for row in ticked:
-        effect = row.effect
-        if f"{rollbacks.COMPENSATION_KEY}{effect.pk}" in done:
-            continue
-        shown.append(f"{rollbacks.words_for(effect)}, by {effect.compensate.rsplit('.', 1)[-1]}")
-    return shown
+    return rollbacks.owed(run)
 
 
 # --- the inspector ----------------------------------------------------------------------------

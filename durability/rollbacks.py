@@ -109,6 +109,29 @@ def words_for(effect: Any) -> str:
     )
 
 
+def owed(run: Any) -> list[str]:
+    """The compensations the operator ticked at the rollback that made the run's head and
+    that have not run yet, in the agent's words ("refund 200 EUR on order A-1002, by
+    reverse_refund"): the run's next step performs them first, whenever it goes on (continued
+    from hold, or resumed after a cancel). Empty for any other run."""
+    from durability.models import AbandonedEffect, Effect, Repeat
+
+    ticked = list(
+        AbandonedEffect.objects.filter(
+            run=run, rollback__seq=run.head_seq, choice=Repeat.COMPENSATE
+        ).select_related("effect")
+    )
+    if not ticked:
+        return []
+    keys = [f"{COMPENSATION_KEY}{a.effect_id}" for a in ticked]
+    done = set(Effect.objects.filter(run=run, key__in=keys).values_list("key", flat=True))
+    return [
+        f"{words_for(a.effect)}, by {a.effect.compensate.rsplit('.', 1)[-1]}"
+        for a in ticked
+        if f"{COMPENSATION_KEY}{a.effect_id}" not in done
+    ]
+
+
 def _short(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)

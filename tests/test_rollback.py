@@ -271,6 +271,31 @@ def test_a_ticked_compensation_runs_once_before_the_run_continues(refunded, rece
         operations.rollback(refunded.id, 1, decisions={undo.id: "again"})
 
 
+def test_a_cancel_before_the_compensation_ran_says_it_is_owed(refunded, receiver):
+    """Cancelled on hold, before it continued: the compensation the rollback chose did not
+    run. The CLI's cancel and show say so, and a resume performs it first."""
+    refund = effect(refunded, "refund")
+    operations.rollback(refunded.id, 1, by="ann", decisions={refund.pk: "compensate"})
+
+    def cli(*args: str) -> str:
+        out = io.StringIO()
+        call_command("durability", *args, stdout=out)
+        return out.getvalue()
+
+    said = cli("--reason", "customer left", "cancel", str(refunded.id))
+    owed = "refund (A1, 349), by reverse_refund"
+    assert f"not performed: the compensation chosen at its rollback ({owed})" in said
+    assert "resuming the run performs it first" in said
+    assert f"compensations owed (its next step performs them first): {owed}" in cli(
+        "show", str(refunded.id)
+    )
+    assert sent(receiver, "reverse") == 0
+    operations.resume(refunded.id, by="ann")
+    drive(refunded.id)
+    assert sent(receiver, "reverse") == 1
+    assert "compensations owed" not in cli("show", str(refunded.id))
+
+
 def test_decisions_that_do_not_fit_are_refused_and_change_nothing(refunded):
     email = effect(refunded, "email")
     head = Run.objects.get(pk=refunded.id).head_seq

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from durability import approvals as edits
-from durability import canonical, operations
+from durability import canonical, operations, rollbacks
 from durability.errors import IntegrityViolation
 from durability.langgraph import cli as lg_cli
 from durability.langgraph.describe import is_graph_checkpoint
@@ -163,6 +163,8 @@ def _header(say: Say, run: Run) -> None:
         say(f"  leased by {run.lease_owner} until {run.lease_expires_at:%H:%M:%S}")
     if run.legal_hold:
         say("  on legal hold: retention and deletion leave it alone")
+    if owed := rollbacks.owed(run):
+        say(f"  compensations owed (its next step performs them first): {'; '.join(owed)}")
     if run.forked_from_id:
         say(f"  forked from {run.forked_from_id} at #{run.forked_from_seq}{_what_if(run)}")
     elif run.what_if:

@@ -18,7 +18,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, InterfaceError, OperationalError
 
-from durability import dispatch, operations, telemetry
+from durability import dispatch, operations, rollbacks, telemetry
 from durability.agents import registry
 from durability.errors import (
     DatabaseUnavailable,
@@ -297,6 +297,12 @@ class Command(BaseCommand):
             opts["run"], by=self.by, reason=self.reason, expected_version=opts["expect_version"]
         )
         self.say(f"run {run.id} cancelled")
+        if owed := rollbacks.owed(run):
+            self.say(
+                f"  not performed: the compensation{'s' * (len(owed) > 1)} chosen at its"
+                f" rollback ({'; '.join(owed)}); resuming the run performs"
+                f" {'them' if len(owed) > 1 else 'it'} first"
+            )
 
     def do_approve(self, opts: dict) -> None:
         payload = json_arg(opts["payload"], "--payload") if opts["payload"] else None
