@@ -99,3 +99,19 @@ def test_releasing_a_legal_hold_says_a_rollbacks_hold_remains(in_doubt):
     assert f"run {run.id} released from legal hold" in released
     assert "still on hold after a rollback (not a legal hold): continue it with" in released
     assert "on legal hold" not in cli("show", str(run.id))
+
+
+def test_a_retried_start_or_send_says_it_did_nothing_new():
+    """The same idempotency key again returns the first run or message: said as such, not as
+    a new start or delivery."""
+    ask = ["start", "research", "--input", '{"question": "What is a lease?"}']
+    first = cli(*ask, "--idempotency-key", "k-1")
+    again = cli(*ask, "--idempotency-key", "k-1")
+    run = Run.objects.get()
+    assert first.startswith("started research@") and str(run.id) in first
+    assert again.startswith("already started with this idempotency key: research@")
+    assert f"run {run.id} (queued); nothing new was started" in again
+    sent = cli("send", str(run.id), "note", "--data", '"hi"', "--key", "m-1")
+    resent = cli("send", str(run.id), "note", "--data", '"hi"', "--key", "m-1")
+    assert "delivered to run" in sent
+    assert "was delivered already with this key; it is not delivered again" in resent

@@ -123,7 +123,7 @@ class Command(BaseCommand):
         else:
             text, what = source, "--input"
         payload = json_arg(text, what)
-        run = operations.start(
+        run, made = operations.started(
             opts["agent"],
             payload,
             by=self.by,
@@ -131,7 +131,13 @@ class Command(BaseCommand):
             idempotency_key=opts["idempotency_key"],
             durability=opts["durability"],
         )
-        self.say(f"started {run.agent}@{run.agent_version} run {run.id}")
+        if made:
+            self.say(f"started {run.agent}@{run.agent_version} run {run.id}")
+        else:  # a retry: the key's first start made it; nothing new was started
+            self.say(
+                f"already started with this idempotency key: {run.agent}@{run.agent_version}"
+                f" run {run.id} ({run.status}); nothing new was started"
+            )
         if opts["wait"]:
             self._wait(run, 600.0 if opts["timeout"] is None else opts["timeout"])
 
@@ -319,7 +325,7 @@ class Command(BaseCommand):
 
     def do_send(self, opts: dict) -> None:
         data = json_arg(opts["data"], "--data")
-        message = operations.send(
+        message, made = operations.delivered(
             opts["run"],
             opts["name"],
             data,
@@ -328,7 +334,13 @@ class Command(BaseCommand):
             reason=self.reason,
             expected_version=opts["expect_version"],
         )
-        self.say(f"message {message.name!r} #{message.pk} delivered to run {message.run_id}")
+        if made:
+            self.say(f"message {message.name!r} #{message.pk} delivered to run {message.run_id}")
+        else:
+            self.say(
+                f"message {message.name!r} #{message.pk} was delivered already with this key;"
+                " it is not delivered again"
+            )
 
     def do_resolve(self, opts: dict) -> None:
         result = json_arg(opts["result"], "--result")
