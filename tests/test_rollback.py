@@ -12,7 +12,7 @@ import io
 import json
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from dashboard import timeline
 from durability import operations, rollbacks
@@ -294,6 +294,25 @@ def test_a_cancel_before_the_compensation_ran_says_it_is_owed(refunded, receiver
     drive(refunded.id)
     assert sent(receiver, "reverse") == 1
     assert "compensations owed" not in cli("show", str(refunded.id))
+
+
+def test_two_choices_for_one_effect_on_the_command_line_are_refused(refunded):
+    refund = effect(refunded, "refund")
+    head = Run.objects.get(pk=refunded.id).head_seq
+    with pytest.raises(CommandError) as refused:
+        call_command(
+            "durability",
+            "rollback",
+            str(refunded.id),
+            "--to",
+            "1",
+            "--effect",
+            f"{refund.pk}=compensate",
+            "--effect",
+            "refund=again",
+        )
+    assert f"effect {refund.pk} was given 'compensate' already" in str(refused.value)
+    assert Run.objects.get(pk=refunded.id).head_seq == head  # nothing rolled back
 
 
 def test_decisions_that_do_not_fit_are_refused_and_change_nothing(refunded):

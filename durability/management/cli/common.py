@@ -41,7 +41,16 @@ def effect_decisions(plan: Any, given: list[str]) -> dict[int, str]:
             raise InvalidInput(
                 f"--effect {item!r}: no effect {ref!r} was done after checkpoint #{plan.target.seq}"
             )
-        decisions.update(dict.fromkeys(matched, choice.strip()))
+        for effect_id in matched:
+            before = decisions.get(effect_id)
+            if before is not None and before != choice.strip():
+                # Two choices for one effect (by its id and by its key, say): which one the
+                # operator meant is theirs to say, not the last one's.
+                raise InvalidInput(
+                    f"--effect {item!r}: effect {effect_id} was given {before!r} already;"
+                    " give one choice per effect"
+                )
+            decisions[effect_id] = choice.strip()
     try:
         return rollbacks.check_decisions(plan.done_not_undone, decisions)
     except ValueError as exc:
