@@ -60,13 +60,14 @@ class PruneReport:
     blobs_note: str = ""
 
     def lines(self) -> list[str]:
-        verb = "would " if self.dry_run else ""
-        out = [f"{verb}delete run {r}" for r in self.runs_deleted]
-        out += [
-            f"{verb}compact run {r}: {n} checkpoint(s) removed" for r, n in self.compacted.items()
-        ]
+        # What a dry run would do, or what was done.
+        delete, compact = (
+            ("would delete", "would compact") if self.dry_run else ("deleted", "compacted")
+        )
+        out = [f"{delete} run {r}" for r in self.runs_deleted]
+        out += [f"{compact} run {r}: {n} checkpoint(s) removed" for r, n in self.compacted.items()]
         out += [f"left run {r} alone: {why}" for r, why in self.skipped.items()]
-        out += [f"{verb}delete blob {d} (nothing refers to it)" for d in self.blobs_deleted]
+        out += [f"{delete} blob {d} (nothing refers to it)" for d in self.blobs_deleted]
         if self.blobs_note:
             out.append(f"left the blob store alone: {self.blobs_note}")
         return out

@@ -111,7 +111,7 @@ def test_blobs_of_pruned_runs_are_collected_and_shared_ones_kept(settings):
         state = state_of(kept.id)
         assert len(blobs.get(state["docs"][0])) == len(DOCUMENT)  # shared: kept
         assert operations.verify(kept.id)[0].ok
-        assert f"delete blob {extra['$blob']} (nothing refers to it)" in report.lines()
+        assert f"deleted blob {extra['$blob']} (nothing refers to it)" in report.lines()
     finally:
         registry.get("x-docs").retention = Retention()
 

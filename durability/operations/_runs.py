@@ -28,7 +28,9 @@ def get_run(ref: Any) -> Run:
     except Run.DoesNotExist:
         raise UnknownRun(f"no run {text}") from None
     if not _HEX.match(text):
-        raise UnknownRun(f"{ref!r} is not a run id")
+        raise UnknownRun(
+            f"{ref!r} is not a run id: give the id, or its first 4 or more characters (0-9, a-f)"
+        )
     matches = list(Run.objects.filter(id__startswith=text).only("id")[:2])
     if not matches:
         raise UnknownRun(f"no run whose id starts with {text}")

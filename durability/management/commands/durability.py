@@ -163,9 +163,8 @@ class Command(BaseCommand):
             )
         if run.status != RunStatus.SUCCEEDED:
             code = f"[{run.error_code}] " if run.error_code else ""
-            raise CommandError(
-                f"run {run.id} {run.status}: {code}{run.error}", returncode=EXIT_FAILED
-            )
+            said = f": {code}{run.error}" if run.error else ""  # a cancel gives no error
+            raise CommandError(f"run {run.id} {run.status}{said}", returncode=EXIT_FAILED)
         self.say(f"run {run.id} succeeded with {run.head_seq + 1} checkpoints")
 
     def do_list(self, opts: dict) -> None:
