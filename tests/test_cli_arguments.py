@@ -115,3 +115,10 @@ def test_a_retried_start_or_send_says_it_did_nothing_new():
     resent = cli("send", str(run.id), "note", "--data", '"hi"', "--key", "m-1")
     assert "delivered to run" in sent
     assert "was delivered already with this key; it is not delivered again" in resent
+
+
+def test_resuming_a_run_in_doubt_says_the_effect_is_still_to_be_resolved(in_doubt):
+    run, effect = in_doubt
+    said = cli("resume", str(run.id))
+    assert f"effect 'charge' [{effect.pk}] is still in doubt" in said
+    assert f"durability resolve {run.id} {effect.pk} done|failed|retry" in said

@@ -41,7 +41,7 @@ from durability.management.cli.common import (
     json_arg,
 )
 from durability.management.cli.show import show
-from durability.models import FINISHED, Run, RunStatus, WaitReason
+from durability.models import FINISHED, Effect, EffectStatus, Run, RunStatus, WaitReason
 from durability.store import unmigrated
 
 
@@ -218,10 +218,19 @@ class Command(BaseCommand):
             lg_cli.show(self.say, operations.get_run(opts["run"]))
 
     def do_resume(self, opts: dict) -> None:
+        asked = operations.get_run(opts["run"])
+        doubts = list(Effect.objects.filter(run=asked, status=EffectStatus.IN_DOUBT))
         run = operations.resume(
             opts["run"], by=self.by, reason=self.reason, expected_version=opts["expect_version"]
         )
         self.say(f"run {run.id} queued again from checkpoint #{run.head_seq} (step {run.step})")
+        for effect in doubts:
+            # A resume settles nothing: the step asks the effect's reconcile function again.
+            self.say(
+                f"  effect {effect.key!r} [{effect.pk}] is still in doubt: the step asks its"
+                " reconcile function again if it has one, else waits in doubt again; resolve"
+                f" it with durability resolve {run.id} {effect.pk} done|failed|retry"
+            )
 
     def do_rollback(self, opts: dict) -> None:
         plan = operations.plan_rollback(opts["run"], opts["to"])
