@@ -149,6 +149,30 @@ def refund_graph() -> StateGraph:
 refund = agent("lg-refund", refund_graph)
 
 
+def at_most_asked(asked: dict, edited: dict) -> str | None:
+    """An operator may lower the refund, never raise it."""
+    if edited["amount"] > asked["amount"]:
+        return f"the refund is at most the {asked['amount']} asked"
+    return None
+
+
+# The same graph with its interrupt's edits constrained, as a native agent's approval is:
+# only the amount may change, over 0, and never above what was asked.
+guarded_refund = agent(
+    "lg-guarded-refund",
+    refund_graph,
+    approvals={
+        "ask": {
+            "editable": {
+                "type": "object",
+                "properties": {"amount": {"type": "number", "exclusiveMinimum": 0}},
+            },
+            "validate": at_most_asked,
+        }
+    },
+)
+
+
 class Chat(TypedDict):
     got: Annotated[list, operator.add]
     ticks: Annotated[int, operator.add]

@@ -244,6 +244,40 @@ def test_input_the_graph_does_not_take_is_refused_before_a_run_is_made():
     assert run.status == RunStatus.QUEUED
 
 
+def test_a_graphs_interrupt_takes_only_the_edits_its_agent_allows(ledger):
+    """``agent(approvals={node: ...})``: the interrupt's approval takes ``ctx.approval``'s
+    options; an edit outside them is refused, nothing recorded, and the one allowed is what
+    the graph pays."""
+    from durability.approvals import EditRefused
+
+    run = operations.start("lg-guarded-refund", {"amount": 50, "paid": 0, "answer": {}})
+    assert drive(run.id).wait_reason == "approval"
+    for edit, said in (
+        ({"amount": -5}, "amount"),
+        ({"amount": 80}, "the refund is at most the 50 asked"),
+        ({"question": "more?", "amount": 20}, "question"),
+    ):
+        with pytest.raises(EditRefused, match=said):
+            operations.decide(run.id, "ask", approve=True, by="ops", payload=edit)
+    assert Approval.objects.get(run=run).status == ApprovalStatus.PENDING
+    operations.decide(run.id, "ask", approve=True, by="ops", payload={"amount": 20})
+    done = drive(run.id)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert graphs.values_of(run.id)["paid"] == 20
+    assert paid(ledger, run.id) == [("pay", "20")]
+
+
+def test_approval_options_of_a_graph_are_checked_when_it_is_registered():
+    for approvals, said in (
+        ({"ask": {"editabel": False}}, "not editabel"),
+        ({"ask": False}, "takes editable, validate, group"),
+        (["ask"], "approvals must map node names to options"),
+    ):
+        with pytest.raises(AgentDefinitionError, match=said):
+            agent("lg-misspelt", graphs.support_graph, approvals=approvals)
+    assert "lg-misspelt" not in {a.name for a in registry.all()}
+
+
 def refunded(approve: bool = True):
     run = operations.start("lg-refund", {"amount": 50, "paid": 0, "answer": {}})
     drive(run.id)

@@ -61,7 +61,7 @@ import contextvars
 import functools
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from django.db import connection
@@ -117,9 +117,17 @@ class GraphAgent(Agent):
         " agents"
     }
 
-    def __init__(self, name: str, build: Callable[[], Any], **options: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        build: Callable[[], Any],
+        *,
+        approvals: Mapping[str, Mapping[str, Any]] | None = None,
+        **options: Any,
+    ) -> None:
         if not callable(build):
             raise AgentDefinitionError(f"agent {name}: build must be a function making a graph")
+        self.approvals = _approval_options(name, approvals or {})
         level = options.get("durability", "strict")
         if why := self.refused_levels.get(getattr(level, "level", level)):
             raise AgentDefinitionError(f"agent {name}: {why}")
@@ -264,7 +272,7 @@ class GraphAgent(Agent):
         try:
             graph.invoke(graph_input, thread, interrupt_before="*")
             # A node may call interrupt() more than once: each resume may stop at the next.
-            while resume := decisions(graph.get_state(thread), ctx):
+            while resume := decisions(graph.get_state(thread), ctx, self.approvals):
                 graph.invoke(Command(resume=resume), thread, interrupt_before="*")
         finally:
             _current.reset(token)
@@ -278,16 +286,42 @@ class GraphAgent(Agent):
         return STEP if after.next else END
 
 
-def decisions(snapshot: Any, ctx: Any) -> dict[str, Any]:
+# What ``agent(approvals={node: {...}})`` may say of a node's interrupts: ``ctx.approval``'s.
+APPROVAL_OPTIONS = ("editable", "validate", "group", "timeout", "on_timeout", "escalate_to")
+
+
+def _approval_options(name: str, given: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``approvals`` checked: by node name, ``ctx.approval``'s options (an unknown one is a
+    typo that would leave every field editable, or any operator deciding)."""
+    if not isinstance(given, Mapping):
+        raise AgentDefinitionError(f"agent {name}: approvals must map node names to options")
+    checked = {}
+    for node, options in given.items():
+        mapping = isinstance(options, Mapping)
+        unknown = sorted(set(options) - set(APPROVAL_OPTIONS)) if mapping else []
+        if not isinstance(node, str) or not mapping or unknown:
+            raise AgentDefinitionError(
+                f"agent {name}: approvals[{node!r}] takes {', '.join(APPROVAL_OPTIONS)}"
+                + (f", not {', '.join(unknown)}" if unknown else "")
+            )
+        checked[node] = dict(options)
+    return checked
+
+
+def decisions(
+    snapshot: Any, ctx: Any, options: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """The answers to the ``interrupt()`` calls the superstep stopped at, by interrupt id:
-    each is an approval named after its node, asked with the interrupt's value (the run
-    waits, without a worker, until an operator decides; the superstep then runs again and
-    finds the decision). An answer is ``{"approved", "value", "comment", "by"}``, ``value``
-    being the interrupt's value as the operator approved it (edited or not)."""
+    each is an approval named after its node, asked with the interrupt's value and the
+    node's ``options`` (``agent(approvals=...)``: the fields an operator may edit, a check of
+    the edit, who decides, a deadline); the run waits, without a worker, until an operator
+    decides; the superstep then runs again and finds the decision. An answer is
+    ``{"approved", "value", "comment", "by"}``, ``value`` being the interrupt's value as the
+    operator approved it (edited or not)."""
     answers = {}
     for task in snapshot.tasks:
         for waiting in task.interrupts:
-            decision = ctx.approval(task.name, waiting.value)
+            decision = ctx.approval(task.name, waiting.value, **(options or {}).get(task.name, {}))
             answers[waiting.id] = {
                 "approved": decision.approved,
                 "value": decision.payload,
@@ -306,12 +340,20 @@ def _initial_state(input: Any) -> dict:
 
 
 def agent(
-    name: str, build: Callable[[], Any], *, version: str | int = "1", **options: Any
+    name: str,
+    build: Callable[[], Any],
+    *,
+    version: str | int = "1",
+    approvals: Mapping[str, Mapping[str, Any]] | None = None,
+    **options: Any,
 ) -> GraphAgent:
     """Register the graph ``build()`` makes as the agent ``name``: operators start it like
-    any agent and the workers execute it, one superstep per checkpoint. ``options`` are
-    ``Agent``'s (``retry=``, ``durability=``, ``limits=``, ``step_timeout=``, ...)."""
-    return GraphAgent(name, build, version=version, **options)
+    any agent and the workers execute it, one superstep per checkpoint. ``approvals``: by
+    node name, what ``ctx.approval`` takes for that node's ``interrupt()`` (``editable=``,
+    ``validate=``, ``group=``, ``timeout=``...); without, every field of the interrupt's
+    value may be edited, typed as asked. ``options`` are ``Agent``'s (``retry=``,
+    ``durability=``, ``limits=``, ``step_timeout=``, ...)."""
+    return GraphAgent(name, build, version=version, approvals=approvals, **options)
 
 
 def held(graph: Any, values: Any) -> dict[str, Any]:
