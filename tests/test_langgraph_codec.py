@@ -195,3 +195,20 @@ def test_every_message_through_a_fresh_saver_as_in_memory():
     (report,) = operations.verify(DurableSaver().run_of(cfg["configurable"]["thread_id"]).id)
     assert report.ok, str(report)
     gc.collect()
+
+
+def test_a_write_to_a_join_is_a_route_not_a_channel_written():
+    """``join:a+b:c`` is LangGraph's channel for a node that waits for several: the task
+    that wrote it routes to ``c``; it wrote none of the graph's channels."""
+    from durability.langgraph.describe import _tasks
+
+    rows = [
+        ("cp-1", "t-1", "~__pregel_pull, fast", "items", ""),
+        ("cp-1", "t-1", "~__pregel_pull, fast", "join:fast+slow:join", ""),
+    ]
+    (task,) = _tasks(rows, None)["cp-1"]
+    assert (task.channels, task.routes, task.summary) == (
+        ["items"],
+        ["join"],
+        "fast wrote items → join",
+    )

@@ -28,6 +28,7 @@ from durability.store.lg_sql import AGENT_VERSION
 
 RESUME = "__resume__"
 _BRANCH = "branch:to:"
+_JOIN = "join:"
 _SPECIAL = (INTERRUPT, ERROR, RESUME)
 
 
@@ -170,6 +171,9 @@ def _tasks(rows: Iterable[tuple], found: Any) -> dict[str, list[Task]]:
         task = by_task.setdefault((lg_id, task_id), Task(node_of(path)))
         if channel.startswith(_BRANCH):
             task.routes.append(channel[len(_BRANCH) :])
+        elif channel.startswith(_JOIN):
+            # A node waiting for several ("join:a+b:c"): the task routes to c, once all did.
+            task.routes.append(channel.rsplit(":", 1)[-1])
         elif channel == INTERRUPT:
             asked = _value(text, found)
             task.interrupts += [

@@ -170,7 +170,8 @@ def _header(say: Say, run: Run) -> None:
     elif run.what_if:
         say(f"  spawned by a what-if run{_what_if(run)}")
     if run.parent_run_id:
-        say(f"  child of {run.parent_run_id} (spawned as {run.spawn_key!r})")
+        spawned = f" (spawned as {run.spawn_key!r})" if run.spawn_key else ""  # a subgraph's: none
+        say(f"  child of {run.parent_run_id}{spawned}")
     children = list(Run.objects.filter(parent_run=run).order_by("created_at"))
     if children:
         say("children:")

@@ -253,7 +253,7 @@ class Command(BaseCommand):
             self.say(f"  {sentence}")
         for e in plan.done_not_undone:
             undo = (
-                "compensated"
+                "to be compensated before the run goes on"
                 if decisions.get(e.id) == "compensate"
                 else "can be compensated"
                 if e.can_compensate
