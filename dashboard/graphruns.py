@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from dashboard.timeline import Item
 from durability import operations
-from durability.errors import DurabilityError, ExecutedElsewhere
-from durability.langgraph import describe
+from durability.agents import registry
+from durability.errors import DurabilityError, ExecutedElsewhere, UnknownAgent
+from durability.langgraph import describe, workersteps
 from durability.langgraph.runs import (
     BADGE,
     continue_code,
@@ -107,6 +108,8 @@ def annotate(run: Run, items: Iterable[Item]) -> None:
     """Tell a LangGraph run's timeline in LangGraph's words: each checkpoint as its
     superstep (which node wrote which channels, where it routed), waits and endings."""
     if run.agent_version != AGENT_VERSION:
+        if registered_graph(run):
+            _annotate_worker_steps(run, list(items))
         return
     shown = list(items)
     seqs = {i.seq for i in shown if i.kind == EventKind.CHECKPOINT and i.seq is not None}
@@ -128,3 +131,23 @@ def annotate(run: Run, items: Iterable[Item]) -> None:
         elif item.kind == EventKind.SUCCEEDED:
             item.title = "reached its end"
             item.detail = "the graph's latest checkpoint has no task to run"
+
+
+def registered_graph(run: Run) -> bool:
+    """Whether ``run`` is of a graph registered as an agent (executed by the workers)."""
+    try:
+        return bool(getattr(registry.get(run.agent), "langgraph_state", False))
+    except UnknownAgent:
+        return False
+
+
+def _annotate_worker_steps(run: Run, shown: list[Item]) -> None:
+    """A worker-executed graph's checkpoints as their supersteps: which nodes ran, what
+    they wrote, where the graph went (``workersteps``, from each checkpoint's patch)."""
+    seqs = {i.seq for i in shown if i.kind == EventKind.CHECKPOINT and i.seq is not None}
+    steps = workersteps.of_run(run.pk, seqs) if seqs else {}
+    for item in shown:
+        if item.source == "event" and item.kind == EventKind.CHECKPOINT and item.seq in steps:
+            step = steps[item.seq]
+            item.title = f"checkpoint #{item.seq} · {step.title}"
+            item.detail = step.summary

@@ -4,10 +4,13 @@ tools replayed instead of paid again, and bad definitions refused with a clear e
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -512,3 +515,31 @@ def test_the_dashboard_shows_a_registered_graphs_state_decoded(ledger, settings)
     message = client.get(tree, {"path": "/values/messages/2"}, HTTP_HX_REQUEST="true")
     shown = message.content.decode()
     assert "tool_call_id" in shown and "call-0" in shown and '"type"' not in shown, shown
+    # The timeline tells each checkpoint as its superstep: which nodes ran, what they wrote,
+    # where the graph went (a rollback or fork target is picked by them, not by number).
+    items = {i.seq: i for i in timeline.latest(run).items if i.kind == "checkpoint"}
+    from dashboard import graphruns
+
+    graphruns.annotate(run, items.values())
+    assert (items[1].title, items[1].detail) == (
+        "checkpoint #1 · superstep 0",
+        "input wrote messages → model",
+    )
+    assert items[2].title == "checkpoint #2 · superstep 1"
+    assert items[2].detail == "model wrote messages, turns → tools, audit", items[2].detail
+    assert items[3].detail == "audit, tools wrote messages, notes → model", items[3].detail
+    page = client.get(reverse("dashboard:run", args=[run.id])).content.decode()
+    assert "model wrote messages, turns → tools, audit" in page
+    # And the CLI's show, text and JSON.
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), stdout=out)
+    assert "superstep 1: model wrote messages, turns → tools, audit" in out.getvalue()
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), "--json", stdout=out)
+    second = json.loads(out.getvalue())["checkpoints"][2]["superstep"]
+    assert second == {
+        "step": 1,
+        "nodes": ["model"],
+        "wrote": ["messages", "turns"],
+        "routes": ["tools", "audit"],
+    }

@@ -9,8 +9,10 @@ from typing import Any
 
 from durability import approvals as edits
 from durability import canonical, operations, rollbacks
-from durability.errors import IntegrityViolation
+from durability.agents import registry
+from durability.errors import IntegrityViolation, UnknownAgent
 from durability.langgraph import cli as lg_cli
+from durability.langgraph import workersteps
 from durability.langgraph.describe import is_graph_checkpoint
 from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run, RunStatus
 
@@ -28,7 +30,7 @@ def show(say: Say, ref: Any, *, as_json: bool) -> None:
         say(json.dumps(_as_json(run, cps, approvals, effects, branch), indent=2, default=str))
         return
     _header(say, run)
-    _checkpoints(say, cps)
+    _checkpoints(say, cps, _worker_steps(run, cps))
     _approvals(say, approvals, branch)
     _effects(say, effects)
     _events(say, events)
@@ -53,7 +55,7 @@ def _branch(run: Run, cps: list[Checkpoint]) -> set[int]:
 def _as_json(
     run: Run, cps: list, approvals: list, effects: list, branch: set[int]
 ) -> dict[str, Any]:
-    seqs = _parent_seqs(cps)
+    seqs, steps = _parent_seqs(cps), _worker_steps(run, cps)
     try:
         state, state_error = operations.state_at(run), None
     except IntegrityViolation as exc:
@@ -77,7 +79,7 @@ def _as_json(
         "input": canonical.loads(run.input),
         "state": state,
         "state_error": state_error,
-        "checkpoints": [_checkpoint_json(c, seqs) for c in cps],
+        "checkpoints": [_checkpoint_json(c, seqs, steps.get(c.seq)) for c in cps],
         "approvals": [_approval_json(a, branch) for a in approvals],
         "effects": [_effect_json(e) for e in effects],
         "calls": JournalEntry.objects.filter(run=run).count(),
@@ -95,7 +97,9 @@ def _as_json(
     }
 
 
-def _checkpoint_json(c: Checkpoint, seqs: dict[int, int]) -> dict[str, Any]:
+def _checkpoint_json(
+    c: Checkpoint, seqs: dict[int, int], step: workersteps.Ran | None
+) -> dict[str, Any]:
     return {
         "seq": c.seq,
         # The parent's number, as the API says it (a fork's first: in the run it came from).
@@ -107,6 +111,12 @@ def _checkpoint_json(c: Checkpoint, seqs: dict[int, int]) -> dict[str, Any]:
         "delta_size": c.delta_size,
         "state_hash": c.state_hash,
         "created_at": c.created_at.isoformat(),
+        # A graph the workers execute: the superstep this checkpoint is (else null).
+        "superstep": (
+            {"step": step.step, "nodes": step.nodes, "wrote": step.channels, "routes": step.routes}
+            if step is not None
+            else None
+        ),
     }
 
 
@@ -194,7 +204,17 @@ def _parent_seqs(cps: list[Checkpoint]) -> dict[int, int]:
     return seqs
 
 
-def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
+def _worker_steps(run: Run, cps: list[Checkpoint]) -> dict[int, workersteps.Ran]:
+    """A graph the workers execute: each checkpoint's superstep (which nodes ran, what they
+    wrote, where it went), from its patch; nothing for any other run."""
+    try:
+        graph = getattr(registry.get(run.agent), "langgraph_state", False)
+    except UnknownAgent:
+        graph = False
+    return workersteps.of_run(run.pk, [c.seq for c in cps]) if graph else {}
+
+
+def _checkpoints(say: Say, cps: list[Checkpoint], steps: dict[int, workersteps.Ran]) -> None:
     say("checkpoints:")
     seqs = _parent_seqs(cps)
     for c in cps:
@@ -206,6 +226,8 @@ def _checkpoints(say: Say, cps: list[Checkpoint]) -> None:
             f"  #{c.seq:<4} {c.reason:<9} {c.step or '-':<14} -> {after:<14}"
             f" {c.size:>9,} B  Δ {c.delta_size:>7,} B{parent}"
         )
+        if c.seq in steps:
+            say(f"        {steps[c.seq].title}: {steps[c.seq].summary}")
 
 
 def _approvals(say: Say, approvals: list[Approval], branch: set[int]) -> None:
