@@ -220,6 +220,11 @@ def _commit_failed(item: Item, e: Event, d: dict) -> None:
     item.detail = f"{d.get('failed_commits', '?')} commit attempt(s) failed, then succeeded"
 
 
+def _deleted(item: Item, e: Event, d: dict) -> None:
+    item.title = "run deleted"
+    item.detail = f"a run of {d['agent']}" if d.get("agent") else ""
+
+
 DESCRIBE: dict[str, Callable[[Item, Event, dict], None]] = {
     EventKind.CHECKPOINT: _checkpoint,
     EventKind.CREATED: _created,
@@ -248,4 +253,5 @@ DESCRIBE: dict[str, Callable[[Item, Event, dict], None]] = {
     EventKind.RESUMED: _resumed,
     EventKind.COMMIT_FAILED: _commit_failed,
     EventKind.INTEGRITY: _reason,
+    EventKind.DELETED: _deleted,
 }

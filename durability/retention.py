@@ -1,7 +1,8 @@
 """Retention and compaction, per agent, run by beat (and ``durability prune``).
 
 - A finished run is deleted ``keep_days`` after it ended (its checkpoints, journal, effects,
-  approvals, messages and events with it).
+  approvals, messages and timeline with it; its operators' actions stay in the audit log,
+  ``durability.deletion``).
 - With ``keep_checkpoints="snapshots"``, a finished run's checkpoints older than
   ``compact_after_days`` that carry no snapshot and are the identity of no effect,
   approval, consumed message, child run or replay are removed; the first checkpoint kept after
@@ -33,6 +34,7 @@ from django.utils import timezone
 from durability import blobs, checkpoints, events
 from durability.agents import registry
 from durability.conf import conf
+from durability.deletion import delete_runs
 from durability.errors import IntegrityViolation
 from durability.integrity import verify_run
 from durability.models import (
@@ -98,7 +100,7 @@ def prune(*, dry_run: bool = False, now: Any = None, limit: int = 1000) -> Prune
                     report.skipped[str(run.id)] = "a parent or child run is still going"
                     continue
                 run_id = str(run.id)  # a deleted instance forgets its id
-                if not dry_run and not _delete(run):
+                if not dry_run and not _delete(run, agent.keep_days):
                     report.skipped[run_id] = CHANGED
                     continue
                 report.runs_deleted.append(run_id)
@@ -181,7 +183,11 @@ def _still_as_decided(run: Run, tree: list[Any]) -> bool:
     return all(r.status in FINISHED and not r.legal_hold for r in locked.values())
 
 
-def _delete(run: Run) -> bool:
+# Who the audit log says deleted a run that retention deleted.
+RETENTION = "retention"
+
+
+def _delete(run: Run, keep_days: float) -> bool:
     """Delete a run and its children; False if one of them changed since prune chose it."""
     with transaction.atomic():
         tree, frontier = [run.id], [run.id]
@@ -192,9 +198,8 @@ def _delete(run: Run) -> bool:
             tree.extend(frontier)
         if not _still_as_decided(run, tree):
             return False
-        # Checkpoints protect their parents: unlink them before the cascade.
-        Checkpoint.objects.filter(run_id__in=tree).update(parent=None)
-        run.delete()
+        why = f"finished more than {keep_days:g} days ago (the agent's keep_days)"
+        delete_runs(tree, by=RETENTION, reason=why)
     return True
 
 

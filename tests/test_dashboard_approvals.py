@@ -103,6 +103,15 @@ def test_audit_log_lists_operator_actions_newest_first_and_filters(as_operator):
     # Append-only: the page offers no way to change or remove an entry.
     assert '<form method="post"' not in html.split('id="audit-rows"')[1]
     assert as_operator.post(reverse("dashboard:audit")).status_code == 405
+    # A deleted run's actions stay, marked deleted, with who deleted it.
+    from durability.deletion import delete_runs
+
+    operations.cancel(first.id, by="bob", reason="gone")  # finished, as retention deletes
+    delete_runs([first.id], by="retention", reason="finished more than 30 days ago")
+    html = text_of(as_operator.get(reverse("dashboard:audit"), {"run": first.short_id}))
+    assert "ship approved" in html and "finished more than 30 days ago" in html
+    assert f'{first.short_id} <span class="muted">deleted</span>' in html
+    assert "run deleted" in html and ">retention<" in html
 
 
 def test_an_approval_for_a_group_is_decided_by_the_operators_in_it_only(as_operator, operator):

@@ -328,18 +328,20 @@ def test_a_commit_on_a_checkpoint_that_is_not_the_head_writes_nothing():
     assert Run.objects.get(pk=run.pk).head_seq == head.seq + 1
 
 
-def test_deleting_a_run_leaves_no_row_behind():
+def test_deleting_a_run_leaves_no_row_behind_but_its_audit_log():
+    from durability.deletion import delete_runs
+
     run = operations.start("hash-big", {})
     drive(run.id)
     operations.rollback(run.id, 2, by="op")
     ids = list(Checkpoint.objects.filter(run=run).values_list("id", flat=True))
     assert Snapshot.objects.filter(checkpoint_id__in=ids).count() > 1
-    Checkpoint.objects.filter(run=run).update(parent=None)  # as retention does
-    Run.objects.get(pk=run.pk).delete()
+    delete_runs([run.pk], by="retention", reason="old")  # as retention does
     assert not Checkpoint.objects.filter(id__in=ids).exists()
     assert not Mutation.objects.filter(checkpoint_id__in=ids).exists()
     assert not Snapshot.objects.filter(checkpoint_id__in=ids).exists()
-    assert not Event.objects.filter(run_id=run.pk).exists()
+    kept = Event.objects.filter(run_id=run.pk).order_by("id")
+    assert [(e.kind, e.actor) for e in kept] == [("rollback", "op"), ("deleted", "retention")]
 
 
 def test_a_compaction_that_did_not_happen_does_not_excuse_a_changed_patch():

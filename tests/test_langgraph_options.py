@@ -169,6 +169,16 @@ def test_a_thread_on_legal_hold_is_not_deleted():
     saver.delete_thread(thread)
     assert not Run.objects.filter(pk=run.id).exists() and saver.get_tuple(cfg) is None
     saver.close()
+    # The hold and its release outlive the run in the audit log, with the deletion itself.
+    from durability.models import Event
+
+    kept = Event.objects.filter(run_id=run.id).order_by("id")
+    assert [(e.kind, e.actor) for e in kept] == [
+        ("hold", "legal"),
+        ("hold", "legal"),
+        ("deleted", "langgraph:delete_thread"),
+    ]
+    assert f"thread {thread!r} deleted by its graph's process" in kept.last().reason
 
 
 @pytest.mark.parametrize("vendor", ["sqlite", "postgresql"])

@@ -80,9 +80,22 @@ def test_old_finished_runs_are_deleted_but_not_waiting_or_held_ones():
     dry = prune(dry_run=True)
     assert dry.runs_deleted == [str(old.id)]
     assert Run.objects.filter(pk=old.id).exists()  # a dry run removes nothing
+    hold(old.id, by="legal", reason="a claim")
+    hold(old.id, on=False, by="legal", reason="settled")
     report = prune()
     assert report.runs_deleted == [str(old.id)]
     assert not Run.objects.filter(pk=old.id).exists()
+    # Its operators' actions outlive it in the audit log, with who deleted it and why; its
+    # other rows (checkpoints, its timeline) went with it.
+    from durability.models import Event
+
+    kept = Event.objects.filter(run_id=old.id).order_by("id")
+    assert [(e.kind, e.actor) for e in kept] == [
+        ("hold", "legal"),
+        ("hold", "legal"),
+        ("deleted", "retention"),
+    ]
+    assert "finished more than 30 days ago" in kept.last().reason
     assert set(Run.objects.values_list("pk", flat=True)) == {held.id, waiting.id, recent.id}
     assert Run.objects.get(pk=waiting.id).status == RunStatus.WAITING
 
@@ -172,7 +185,7 @@ def test_a_run_rolled_back_after_prune_chose_it_is_neither_compacted_nor_deleted
     target = Checkpoint.objects.get(pk=removable[len(removable) // 2])
     operations.rollback(run.id, target.seq, by="op", reason="look again")
     assert retention._compact(chosen, removable) is False
-    assert retention._delete(chosen) is False
+    assert retention._delete(chosen, 30) is False
     run.refresh_from_db()
     head = Checkpoint.objects.get(run=run, seq=run.head_seq)
     assert head.parent_id == target.id and Checkpoint.objects.filter(pk=target.id).exists()
@@ -249,14 +262,16 @@ def test_an_event_for_a_run_that_is_gone_is_refused():
     """Events carry no foreign key: the writers other than the step commit check the run."""
     from django.db import IntegrityError
 
+    from durability.deletion import delete_runs
     from durability.models import Event, EventKind
 
     run = drive(operations.start("x-keep", {}).id)
-    Checkpoint.objects.filter(run=run).update(parent=None)
     run_id = run.id
-    Run.objects.get(pk=run_id).delete()
+    delete_runs([run_id], by="ops", reason="test")
+    kept = list(Event.objects.filter(run_id=run_id).values_list("kind", flat=True))
+    assert kept == [EventKind.DELETED]  # the audit row of the deletion, nothing else
     with pytest.raises(IntegrityError, match="an event needs its run"):
         Event.objects.create(run_id=run_id, kind=EventKind.COMMIT_LATENCY, commit_us=5)
     with pytest.raises(IntegrityError, match=str(run_id)):
         Event.objects.bulk_create([Event(run_id=run_id, kind=EventKind.ALARM)])
-    assert not Event.objects.filter(run_id=run_id).exists()
+    assert list(Event.objects.filter(run_id=run_id).values_list("kind", flat=True)) == kept

@@ -10,7 +10,7 @@ from dashboard import params, queries, timeline
 from dashboard.conf import conf
 from dashboard.models import Notification
 from dashboard.views.common import page
-from durability.models import Event, EventKind
+from durability.models import Event, EventKind, Run
 
 PAGE = 100
 
@@ -29,6 +29,7 @@ OPERATOR_KINDS = (
     EventKind.FORK,
     EventKind.HOLD,
     EventKind.COMPACTED,
+    EventKind.DELETED,
 )
 
 
@@ -49,6 +50,7 @@ _KIND_LABELS = {
     EventKind.FORK: "forked",
     EventKind.HOLD: "legal hold",
     EventKind.COMPACTED: "compacted",
+    EventKind.DELETED: "deleted a run",
 }
 
 
@@ -57,7 +59,8 @@ def audit(request: HttpRequest) -> HttpResponse:
     actor = params.text(request.GET, "actor", 150)
     kind = params.choice(request.GET, "kind", [k.value for k in OPERATOR_KINDS])
     run_ref = params.text(request.GET, "run", 36)
-    rows = Event.objects.exclude(actor="").select_related("run")
+    # Not joined to the runs: a deleted run's actions stay in the log (durability.deletion).
+    rows = Event.objects.exclude(actor="")
     if actor:
         rows = rows.filter(actor=actor)
     if kind:
@@ -76,7 +79,8 @@ def audit(request: HttpRequest) -> HttpResponse:
     if before is not None:
         rows = rows.filter(id__lt=before)
     found = list(rows.order_by("-id")[: PAGE + 1])
-    entries = [(e, timeline._event_item(e)) for e in found[:PAGE]]
+    runs = Run.objects.only("id", "agent").in_bulk({e.run_id for e in found[:PAGE]})
+    entries = [(e, timeline._event_item(e), runs.get(e.run_id)) for e in found[:PAGE]]
     context = {
         "nav": "audit",
         "entries": entries,

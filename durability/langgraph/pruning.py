@@ -10,10 +10,14 @@ from collections.abc import Sequence
 
 from django.db import transaction
 
+from durability.deletion import delete_runs
 from durability.errors import OnLegalHold
 from durability.langgraph import delta, options
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
-from durability.models import Checkpoint, Run
+from durability.models import Run
+
+# Who the audit log says deleted a thread's runs: the graph's own process, through its saver.
+DELETER = "langgraph:delete_thread"
 
 
 def delete_thread(thread_id: str) -> list[Thread]:
@@ -37,10 +41,11 @@ def delete_thread(thread_id: str) -> list[Thread]:
                 f" hold first: python manage.py durability hold {held[0]} --release",
                 run_id=held[0],
             )
-        runs = [pk for pk, _ in locked]
-        # Checkpoints protect their parents: unlink them before the cascade.
-        Checkpoint.objects.filter(run_id__in=runs).update(parent=None)
-        Run.objects.filter(pk__in=runs).delete()
+        delete_runs(
+            [pk for pk, _ in locked],
+            by=DELETER,
+            reason=f"thread {thread_id!r} deleted by its graph's process (delete_thread)",
+        )
     return threads
 
 

@@ -44,6 +44,9 @@ class EventKind(models.TextChoices):
     COMPACTED = "compacted", "compacted"
     COMPENSATED = "compensated", "effect compensated"
     EFFECT_REUSED = "effect_reused", "recorded outcome reused"
+    # The run was deleted (retention, a LangGraph thread deleted): an audit row that outlives
+    # it, with the run's other operator actions (``durability.deletion``).
+    DELETED = "deleted", "run deleted"
 
 
 class WorkerPresence(models.Model):
@@ -109,9 +112,12 @@ class Event(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     # Indexed through (run, id), which also serves the timeline's order. No database
-    # constraint: its writers check the run (``_check_runs_exist``).
+    # constraint: its writers check the run (``_check_runs_exist``). Not deleted with its
+    # run by Django: an operator's action (a row with an ``actor``) outlives the run in the
+    # audit log, and the rest goes with it through ``durability.deletion``, the one way runs
+    # are deleted.
     run = models.ForeignKey(
-        Run, on_delete=models.CASCADE, related_name="events", db_index=False, db_constraint=False
+        Run, on_delete=models.DO_NOTHING, related_name="events", db_index=False, db_constraint=False
     )
     kind = models.CharField(max_length=32, choices=EventKind.choices)
     seq = models.IntegerField(null=True, blank=True, help_text="checkpoint it concerns")
