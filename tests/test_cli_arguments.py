@@ -122,3 +122,16 @@ def test_resuming_a_run_in_doubt_says_the_effect_is_still_to_be_resolved(in_doub
     said = cli("resume", str(run.id))
     assert f"effect 'charge' [{effect.pk}] is still in doubt" in said
     assert f"durability resolve {run.id} {effect.pk} done|failed|retry" in said
+
+
+def test_show_says_when_no_worker_is_running_for_a_queued_run():
+    from django.utils import timezone
+
+    from durability.models import WorkerPresence
+
+    run = operations.start("research", {"question": "What is a lease?"})
+    assert "no worker is running (none announced itself in the last" in cli("show", str(run.id))
+    WorkerPresence.objects.create(
+        name="w1", capabilities="{}", started_at=timezone.now(), seen_at=timezone.now()
+    )
+    assert "no worker is running" not in cli("show", str(run.id))

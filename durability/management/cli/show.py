@@ -5,16 +5,28 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
+from django.utils import timezone
+
 from durability import approvals as edits
-from durability import canonical, operations, rollbacks
+from durability import canonical, operations, presence, rollbacks
 from durability.agents import registry
 from durability.errors import IntegrityViolation, UnknownAgent
 from durability.langgraph import cli as lg_cli
 from durability.langgraph import workersteps
 from durability.langgraph.describe import is_graph_checkpoint
-from durability.models import Approval, Checkpoint, Effect, Event, JournalEntry, Run, RunStatus
+from durability.models import (
+    Approval,
+    Checkpoint,
+    Effect,
+    Event,
+    JournalEntry,
+    Run,
+    RunStatus,
+    WorkerPresence,
+)
 
 Say = Callable[[str], None]
 
@@ -151,6 +163,11 @@ def _effect_json(e: Effect) -> dict[str, Any]:
 # --- text ------------------------------------------------------------------------------------
 
 
+def _workers_alive() -> bool:
+    since = timezone.now() - timedelta(seconds=presence.ttl())
+    return WorkerPresence.objects.filter(seen_at__gte=since).exists()
+
+
 def _what_if(run: Run) -> str:
     if not run.what_if:
         return ""
@@ -171,6 +188,11 @@ def _header(say: Say, run: Run) -> None:
     )
     if run.lease_owner:
         say(f"  leased by {run.lease_owner} until {run.lease_expires_at:%H:%M:%S}")
+    if run.status == RunStatus.QUEUED and not _workers_alive():
+        say(
+            f"  no worker is running (none announced itself in the last {presence.ttl():g} s):"
+            " the run starts once one is (see docs/operations.md)"
+        )
     if run.legal_hold:
         say("  on legal hold: retention and deletion leave it alone")
     if owed := rollbacks.owed(run):
