@@ -194,7 +194,7 @@ class Command(BaseCommand):
         wide = max(16, max(map(len, agents)) + 1)
         self.say(
             f"{'run':<10}{'agent':<{wide}}{'status':<11}{'step':<14}{'ckpts':>6}  {'age':<8}"
-            "waiting on"
+            "waiting on, or error"
         )
         graphs = lg_cli.marks(rows)  # LangGraph graphs executed in their own process
         for run, agent in zip(rows, agents, strict=True):
