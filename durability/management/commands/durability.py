@@ -47,8 +47,9 @@ from durability.store import unmigrated
 
 class Command(BaseCommand):
     help = (
-        "Operate durable agent runs: start, list, show, resume, rollback, fork, cancel,"
-        " approve, resolve, verify."
+        "Operate durable agent runs: start and inspect them, decide what they wait for, move"
+        " them (resume, roll back, fork, cancel), check and keep their history. Each"
+        " subcommand below; SUBCOMMAND --help for its options."
     )
 
     def add_arguments(self, parser) -> None:
