@@ -134,10 +134,10 @@ class Command(BaseCommand):
         )
         if made:
             self.say(f"started {run.agent}@{run.agent_version} run {run.id}")
-        else:  # a retry: the key's first start made it; nothing new was started
+        else:  # a retry: the key's first start made it. The id stays the line's last word.
             self.say(
-                f"already started with this idempotency key: {run.agent}@{run.agent_version}"
-                f" run {run.id} ({run.status}); nothing new was started"
+                "already started with this idempotency key, nothing new started:"
+                f" {run.agent}@{run.agent_version} run {run.id}"
             )
         if opts["wait"]:
             self._wait(run, 600.0 if opts["timeout"] is None else opts["timeout"])
@@ -347,8 +347,8 @@ class Command(BaseCommand):
             self.say(f"message {message.name!r} #{message.pk} delivered to run {message.run_id}")
         else:
             self.say(
-                f"message {message.name!r} #{message.pk} was delivered already with this key;"
-                " it is not delivered again"
+                f"message {message.name!r} #{message.pk} already delivered with this key, not"
+                f" again, to run {message.run_id}"
             )
 
     def do_resolve(self, opts: dict) -> None:
