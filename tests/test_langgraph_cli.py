@@ -282,3 +282,7 @@ def test_a_checkpoint_update_state_made_is_not_described_with_the_abandoned_bran
     # The branch that went on from the question still says who answered what.
     answered = [t for s in steps for t in s["tasks"] if t["answers"]]
     assert answered and answered[0]["answers"] == [["yes"]]
+    # The text's checkpoint table in LangGraph's words, not the stored "loop 1".
+    table = command("show", str(run.id)).split("checkpoints:")[1]
+    assert " input " in table and " superstep 1 " in table and " update_state " in table
+    assert " loop " not in table and "input -1" not in table

@@ -27,6 +27,7 @@ from durability.models import (
     RunStatus,
     WorkerPresence,
 )
+from durability.store.lg_sql import AGENT_VERSION
 
 Say = Callable[[str], None]
 
@@ -45,7 +46,7 @@ def show(say: Say, ref: Any, *, as_json: bool) -> None:
     _checkpoints(say, cps, _worker_steps(run, cps))
     _approvals(say, approvals, branch)
     _effects(say, effects)
-    _events(say, events)
+    _events(say, events, graph=run.agent_version == AGENT_VERSION)
 
 
 def _branch(run: Run, cps: list[Checkpoint]) -> set[int]:
@@ -243,13 +244,22 @@ def _checkpoints(say: Say, cps: list[Checkpoint], steps: dict[int, workersteps.R
         up = seqs.get(c.parent_id) if c.parent_id else None
         parent = f" (parent #{up})" if up is not None and up != c.seq - 1 else ""
         # A LangGraph checkpoint names no next step (its supersteps are listed below it).
-        after = c.next_step or ("-" if is_graph_checkpoint(c) else "end")
+        graph = is_graph_checkpoint(c)
+        after = c.next_step or ("-" if graph else "end")
+        step = _graph_step(c.step) if graph else c.step
         say(
-            f"  #{c.seq:<4} {c.reason:<9} {c.step or '-':<14} -> {after:<14}"
+            f"  #{c.seq:<4} {c.reason:<9} {step or '-':<14} -> {after:<14}"
             f" {c.size:>9,} B  Δ {c.delta_size:>7,} B{parent}"
         )
         if c.seq in steps:
             say(f"        {steps[c.seq].title}: {steps[c.seq].summary}")
+
+
+def _graph_step(stored: str) -> str:
+    """A saver's checkpoint's step ("loop 3", "input -1") in LangGraph's words."""
+    source, _, step = stored.partition(" ")
+    words = {"input": "input", "update": "update_state", "fork": "fork"}
+    return words.get(source) or (f"superstep {step}" if source == "loop" else stored)
 
 
 def _approvals(say: Say, approvals: list[Approval], branch: set[int]) -> None:
@@ -296,10 +306,11 @@ def _effects(say: Say, effects: list[Effect]) -> None:
         )
 
 
-def _events(say: Say, events: list[Event]) -> None:
+def _events(say: Say, events: list[Event], *, graph: bool) -> None:
     say("recent events:")
     for e in reversed(events):
         who = f" by {e.actor}" if e.actor else (f" on {e.worker}" if e.worker else "")
         why = f": {e.reason[:80]}" if e.reason else ""
         seq = f" #{e.seq}" if e.seq is not None else ""
-        say(f"  {e.created_at:%H:%M:%S} {e.kind}{seq} {e.step}{who}{why}")
+        step = _graph_step(e.step) if graph and e.step else e.step
+        say(f"  {e.created_at:%H:%M:%S} {e.kind}{seq} {step}{who}{why}")
