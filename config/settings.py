@@ -232,7 +232,8 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Python's level names (WARN and FATAL are its own aliases of WARNING and CRITICAL).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
