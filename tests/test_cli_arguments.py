@@ -135,3 +135,12 @@ def test_show_says_when_no_worker_is_running_for_a_queued_run():
         name="w1", capabilities="{}", started_at=timezone.now(), seen_at=timezone.now()
     )
     assert "no worker is running" not in cli("show", str(run.id))
+
+
+def test_version_names_the_product():
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        call_command("durability", "--version")
+    assert out.getvalue().startswith("durability ") and "(Django " in out.getvalue()

@@ -52,6 +52,18 @@ class Command(BaseCommand):
         " subcommand below; SUBCOMMAND --help for its options."
     )
 
+    def get_version(self) -> str:
+        """``--version``: the product's, not only Django's."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        import django
+
+        try:
+            mine = version("durability")
+        except PackageNotFoundError:  # a checkout run without installing it
+            mine = "unknown"
+        return f"durability {mine} (Django {django.get_version()})"
+
     def add_arguments(self, parser) -> None:
         arguments.add_arguments(parser)
 
