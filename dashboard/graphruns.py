@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from dashboard.timeline import Item
 from durability import operations
-from durability.agents import registry
-from durability.errors import DurabilityError, ExecutedElsewhere, UnknownAgent
+from durability.errors import DurabilityError, ExecutedElsewhere
 from durability.langgraph import describe, workersteps
 from durability.langgraph.runs import (
     BADGE,
@@ -108,7 +107,7 @@ def annotate(run: Run, items: Iterable[Item]) -> None:
     """Tell a LangGraph run's timeline in LangGraph's words: each checkpoint as its
     superstep (which node wrote which channels, where it routed), waits and endings."""
     if run.agent_version != AGENT_VERSION:
-        if registered_graph(run):
+        if describe.registered_graph(run.agent):
             _annotate_worker_steps(run, list(items))
         return
     shown = list(items)
@@ -131,14 +130,6 @@ def annotate(run: Run, items: Iterable[Item]) -> None:
         elif item.kind == EventKind.SUCCEEDED:
             item.title = "reached its end"
             item.detail = "the graph's latest checkpoint has no task to run"
-
-
-def registered_graph(run: Run) -> bool:
-    """Whether ``run`` is of a graph registered as an agent (executed by the workers)."""
-    try:
-        return bool(getattr(registry.get(run.agent), "langgraph_state", False))
-    except UnknownAgent:
-        return False
 
 
 def _annotate_worker_steps(run: Run, shown: list[Item]) -> None:

@@ -23,11 +23,10 @@ from durability.errors import UnknownAgent
 from durability.langgraph import codec
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.runs import continue_code, how_to_continue
-from durability.langgraph.status import ERROR, HANDLED, INTERRUPT, node_of, shown
+from durability.langgraph.status import BRANCH, ERROR, HANDLED, INTERRUPT, node_of, shown
 from durability.store.lg_sql import AGENT_VERSION
 
 RESUME = "__resume__"
-_BRANCH = "branch:to:"
 _JOIN = "join:"
 _SPECIAL = (INTERRUPT, ERROR, RESUME)
 
@@ -124,10 +123,13 @@ def is_graph_state(checkpoint: Any) -> bool:
     """Whether a checkpoint's state is a LangGraph document: the saver wrote it, or the
     workers did for a graph registered as an agent (``durability.langgraph.agent``), whose
     checkpoints keep the saver's shape."""
-    if is_graph_checkpoint(checkpoint):
-        return True
+    return is_graph_checkpoint(checkpoint) or registered_graph(checkpoint.run.agent)
+
+
+def registered_graph(agent: str) -> bool:
+    """Whether ``agent`` names a graph registered as an agent (executed by the workers)."""
     try:
-        return bool(getattr(registry.get(checkpoint.run.agent), "langgraph_state", False))
+        return bool(getattr(registry.get(agent), "langgraph_state", False))
     except UnknownAgent:
         return False
 
@@ -169,8 +171,8 @@ def _tasks(rows: Iterable[tuple], found: Any) -> dict[str, list[Task]]:
     by_task: dict[tuple[str, str], Task] = {}
     for lg_id, task_id, path, channel, text in rows:
         task = by_task.setdefault((lg_id, task_id), Task(node_of(path)))
-        if channel.startswith(_BRANCH):
-            task.routes.append(channel[len(_BRANCH) :])
+        if channel.startswith(BRANCH):
+            task.routes.append(channel[len(BRANCH) :])
         elif channel.startswith(_JOIN):
             # A node waiting for several ("join:a+b:c"): the task routes to c, once all did.
             task.routes.append(channel.rsplit(":", 1)[-1])

@@ -234,9 +234,10 @@ class GraphAgent(Agent):
         self.validate(state)
         if "checkpoint" not in state:
             return
+        saver = StepSaver()
         # LangGraph loads a value of a channel the graph does not have and drops it at the
         # next superstep: a misspelt channel would be an edit that is never made.
-        channels = set(self.graph(StepSaver()).channels)
+        channels = set(self.graph(saver).channels)
         unknown = sorted(set(state["values"]) - channels)
         if unknown:
             names = sorted(c for c in channels if not c.startswith(("__", "branch:")))
@@ -244,7 +245,6 @@ class GraphAgent(Agent):
                 f"state of agent {self.name}: the graph has no channel"
                 f" {', '.join(map(repr, unknown))} (its channels: {', '.join(names)})"
             )
-        saver = StepSaver()
         try:
             seed(saver, {"configurable": {"thread_id": "edit", "checkpoint_ns": ""}}, state)
         except Exception as exc:  # noqa: BLE001 - whatever LangGraph or a message refuses

@@ -54,14 +54,15 @@ INTERRUPT, ERROR = "__interrupt__", "__error__"
 # Written beside a task's error when a node's error handler takes it: the graph goes on.
 HANDLED = "__error_source_node__"
 _START, _SENT = "__start__", "__pregel_tasks"
-_BRANCH = "branch:to:"
+# LangGraph's channel that sends the graph to a node: "branch:to:<node>".
+BRANCH = "branch:to:"
 
 
 def next_nodes(values: Mapping[str, Any]) -> list[str]:
     """The nodes a checkpoint's channel values say run next (empty: the graph's end).
     ``__pregel_tasks`` stands for tasks sent with ``Send``: the channel stays, empty, in
     the checkpoints after they ran."""
-    found = [key[len(_BRANCH) :] for key in values if key.startswith(_BRANCH)]
+    found = [key[len(BRANCH) :] for key in values if key.startswith(BRANCH)]
     return found + [_START] * (_START in values) + [_SENT] * bool(values.get(_SENT))
 
 

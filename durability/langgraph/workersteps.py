@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durability import canonical
+from durability.langgraph.status import BRANCH
 from durability.models import Mutation
 
-_BRANCH = "branch:to:"
 # LangGraph's own entries of ``versions_seen``: not nodes a person wrote.
 _NOT_NODES = ("__interrupt__", "__input__")
 
@@ -79,14 +79,14 @@ def _seen(found: Ran, nodes: Iterable[str], channels: Iterable[str]) -> None:
         if node not in _NOT_NODES and node not in found.nodes:
             found.nodes.append(node)
     for channel in channels:
-        if not channel.startswith(("__", _BRANCH)) and channel not in found.channels:
+        if not channel.startswith(("__", BRANCH)) and channel not in found.channels:
             found.channels.append(channel)
 
 
 def _routes(found: Ran, values: Iterable[str]) -> None:
     """A ``branch:to:<node>`` channel that holds a value: the graph goes to that node."""
     for channel in values:
-        target = channel[len(_BRANCH) :] if channel.startswith(_BRANCH) else ""
+        target = channel[len(BRANCH) :] if channel.startswith(BRANCH) else ""
         if target and target not in found.routes:
             found.routes.append(target)
 

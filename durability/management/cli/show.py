@@ -12,11 +12,10 @@ from django.utils import timezone
 
 from durability import approvals as edits
 from durability import canonical, operations, presence, rollbacks
-from durability.agents import registry
-from durability.errors import IntegrityViolation, UnknownAgent
+from durability.errors import IntegrityViolation
 from durability.langgraph import cli as lg_cli
 from durability.langgraph import workersteps
-from durability.langgraph.describe import is_graph_checkpoint
+from durability.langgraph.describe import is_graph_checkpoint, registered_graph
 from durability.models import (
     Approval,
     Checkpoint,
@@ -230,11 +229,9 @@ def _parent_seqs(cps: list[Checkpoint]) -> dict[int, int]:
 def _worker_steps(run: Run, cps: list[Checkpoint]) -> dict[int, workersteps.Ran]:
     """A graph the workers execute: each checkpoint's superstep (which nodes ran, what they
     wrote, where it went), from its patch; nothing for any other run."""
-    try:
-        graph = getattr(registry.get(run.agent), "langgraph_state", False)
-    except UnknownAgent:
-        graph = False
-    return workersteps.of_run(run.pk, [c.seq for c in cps]) if graph else {}
+    if not registered_graph(run.agent):
+        return {}
+    return workersteps.of_run(run.pk, [c.seq for c in cps])
 
 
 def _checkpoints(say: Say, cps: list[Checkpoint], steps: dict[int, workersteps.Ran]) -> None:
