@@ -5,6 +5,7 @@ database holds up no other thread, and the results are those of LangGraph's own 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
 from durability import operations
-from durability.langgraph import DurableSaver
+from durability.langgraph import DurableSaver, pool
 from durability.langgraph.models import Thread
 from durability.models import Checkpoint, Run
 from tests import langgraph_graphs as graphs
@@ -131,6 +132,35 @@ def test_a_thread_waiting_for_the_database_holds_up_no_other_thread():
     assert waiting.result(timeout=20) == theirs.invoke(MORE, held_theirs)
     (report,) = operations.verify(run_of(held).id)
     assert report.ok, str(report)
+
+
+@pytest.mark.smoke
+def test_a_thread_s_calls_wait_for_each_other_and_for_no_other_thread():
+    """While a call holds one namespace, a call on any other namespace goes on at once,
+    whatever its id (none shares a lock with another), and one on the same namespace waits
+    for it; a namespace no call uses keeps nothing in memory."""
+    locks = pool.Pool(1)
+    entered = threading.Event()
+
+    def other_namespaces() -> None:
+        for _ in range(2000):
+            with locks.thread(uuid.uuid4().hex, ""):
+                pass
+        with locks.thread("held", "child:1"):
+            pass
+
+    def same_namespace() -> None:
+        with locks.thread("held", ""):
+            entered.set()
+
+    with ThreadPoolExecutor(1) as other:
+        with locks.thread("held", ""):
+            other.submit(other_namespaces).result(timeout=10)
+            waiting = other.submit(same_namespace)
+            assert not entered.wait(0.2)
+        waiting.result(timeout=5)
+    assert entered.is_set()
+    assert not locks._threads
 
 
 def test_calls_wait_for_a_connection_beyond_the_saver_s_connections():

@@ -8,23 +8,21 @@ and one slow call (a fresh saver's ``get_tuple`` of a long thread, a checkpoint 
 row lock) would hold every superstep of the process. So each call takes a connection of its
 own for its statement, opening one (up to ``size``) when none is idle, and the calls on one
 thread's namespace wait only for each other: the saver keeps one encoder and one last
-checkpoint per thread, which two calls at once would spoil.
+checkpoint per thread, which two calls at once would spoil. Each namespace has a lock of its
+own while calls use it (never one shared with others by hash: a checkpoint waiting for an
+operator's row lock would hold up every conversation that happened to share it).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from durability.langgraph.shared import Shared
 
 T = TypeVar("T")
-
-# Locks the threads' namespaces share, by hash: two namespaces on one lock wait for each
-# other (a thread's calls are a few milliseconds), and their number stays bounded however
-# many threads a process serves.
-STRIPES = 256
 
 
 class Pool:
@@ -37,11 +35,26 @@ class Pool:
         self._guard = threading.Lock()
         self._idle: list[Shared] = []
         self._closed = False
-        self._stripes = [threading.Lock() for _ in range(STRIPES)]
+        # (thread id, namespace) -> [its lock, how many calls hold or wait for it]: kept
+        # only while calls use it, so their number is bounded by the calls at once.
+        self._threads: dict[tuple[str, str], list[Any]] = {}
 
-    def thread(self, thread_id: str, ns: str) -> threading.Lock:
-        """The lock a thread's namespace's calls hold while they run."""
-        return self._stripes[hash((thread_id, ns)) % STRIPES]
+    @contextmanager
+    def thread(self, thread_id: str, ns: str) -> Iterator[None]:
+        """Held by a call on a thread's namespace while it runs: the calls on one namespace
+        run one at a time, and wait for no other namespace's."""
+        key = (thread_id, ns)
+        with self._guard:
+            entry = self._threads.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._threads[key]
 
     def run(self, fn: Callable[[Any], T], *, retry: bool = False) -> T:
         """``fn(connection)`` on a connection no other call uses meanwhile; waits for one
