@@ -13,6 +13,8 @@ against the canonical bytes and fall back to ``strict=True``, which compares typ
 from __future__ import annotations
 
 import math
+import operator
+from itertools import compress, count
 from typing import Any
 
 import jsonpatch
@@ -62,12 +64,9 @@ def same(a: Any, b: Any) -> bool:
     if ta is list:
         if len(a) != len(b):
             return False
-        # A loop, not ``all()``: most elements are the same object, and a generator would
-        # cost a frame switch for each.
-        for x, y in zip(a, b, strict=True):  # noqa: SIM110
-            if x is not y and not same(x, y):
-                return False
-        return True
+        # The elements that are not the same object are found at C speed: in two states
+        # of a growing list (a thread's messages), nearly all are.
+        return all(same(a[i], b[i]) for i in compress(count(), map(operator.is_not, a, b)))
     if ta is float:
         return a == b and (a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, b))
     return a == b

@@ -11,6 +11,8 @@ import uuid
 from datetime import UTC, datetime
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -212,3 +214,38 @@ def test_a_write_to_a_join_is_a_route_not_a_channel_written():
         ["join"],
         "fast wrote items → join",
     )
+
+
+# What a channel's list goes through from one superstep to the next: messages appended (as
+# LangGraph's reducer does, to a copy), one replaced by id, dropped from the front, the list
+# changed in place, or the channel gone and back.
+STEPS_OF_A_LIST = st.lists(
+    st.sampled_from(["append", "append in place", "replace", "drop first", "gone", "same"]),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(STEPS_OF_A_LIST)
+def test_an_encoder_that_remembers_encodes_as_a_fresh_one(steps):
+    """The encoder a saver keeps per thread (which takes a list's elements kept from its
+    previous call as encoded then) gives, call after call, what a new encoder gives; and
+    patching a document it gave in place changes nothing it gives later."""
+    remembering = codec.Encoder(SERDE)
+    messages: list = [AIMessage("first", id="m-0")]
+    for n, step in enumerate(steps, start=1):
+        if step == "append":
+            messages = [*messages, AIMessage(f"m {n}", id=f"m-{n}")]
+        elif step == "append in place":
+            messages.append(ToolMessage(f"t {n}", tool_call_id="call-1", id=f"t-{n}"))
+        elif step == "replace" and messages:
+            messages = [*messages[:-1], AIMessage(f"again {n}", id=messages[-1].id)]
+        elif step == "drop first":
+            messages = messages[1:]
+        values = {"turns": n} if step == "gone" else {"messages": messages, "turns": n}
+        got = remembering.encode(values)
+        assert canonical.dumps(got) == canonical.dumps(codec.Encoder(SERDE).encode(values))
+        if "messages" in got:
+            got["messages"].append({"patched": "in place"})
+            got["messages"][:1] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import math
+import operator
 from typing import Any
 
 import orjson
@@ -53,14 +54,57 @@ class Encoder:
         self.serde = serde
         self._previous: dict[int, tuple[Any, Any]] = {}
         self._current: dict[int, tuple[Any, Any]] = {}
+        # The lists of a top-level object's members in the previous call, by member: their
+        # elements then and encoded, copies (a list changed in place after the call, or the
+        # encoded document patched in place, leaves them as they were).
+        self._lists: dict[str, tuple[tuple, tuple]] = {}
         self._leaves = 0  # serialized leaves made so far: a message's fields are plain if none
 
     def encode(self, value: Any) -> Any:
         self._current = {}
         try:
+            if type(value) is dict and TAG not in value and all(type(k) is str for k in value):
+                return {
+                    key: self._member(key, item) if type(item) is list else self._encode(item)
+                    for key, item in value.items()
+                }
             return self._encode(value)
         finally:
             self._previous = self._current
+
+    def _member(self, key: str, value: list) -> list:
+        """A top-level member's list (a channel's, such as a thread's messages): when it
+        starts with every element the previous call's had, the same objects (LangGraph's
+        message reducer appends to a copy), those are taken as encoded then, checked and
+        copied at C speed rather than one element at a time: a thread's messages list grows
+        with every superstep, and most of it never changes."""
+        before = self._lists.get(key)
+        if before is not None:
+            items, encoded = before
+            kept = len(items)
+            if kept <= len(value) and all(map(operator.is_, items, value)):
+                grown = [*encoded, *self._list(value[kept:])]
+                self._lists[key] = (tuple(value), tuple(grown))
+                return grown
+            # Not a list grown at its end: its elements are looked up one at a time.
+            for item, leaf in zip(items, encoded, strict=True):
+                self._previous.setdefault(id(item), (item, leaf))
+        made = self._list(value)
+        self._lists[key] = (tuple(value), tuple(made))
+        return made
+
+    def _list(self, value: list) -> list:
+        # A message kept from the previous call is looked up here rather than in a call of
+        # its own: a thread's messages list is most of what a superstep encodes.
+        previous, current, encoded = self._previous, self._current, []
+        for item in value:
+            seen = previous.get(id(item))
+            if seen is not None and seen[0] is item:
+                current[id(item)] = seen
+                encoded.append(seen[1])
+            else:
+                encoded.append(self._encode(item))
+        return encoded
 
     def _encode(self, value: Any) -> Any:
         kind = type(value)
@@ -71,17 +115,7 @@ class Encoder:
         if kind is float:
             return value if math.isfinite(value) else self._leaf(value)
         if kind is list:
-            # A message kept from the previous call is looked up here rather than in a call
-            # of its own: a thread's messages list is most of what a superstep encodes.
-            previous, current, encoded = self._previous, self._current, []
-            for item in value:
-                seen = previous.get(id(item))
-                if seen is not None and seen[0] is item:
-                    current[id(item)] = seen
-                    encoded.append(seen[1])
-                else:
-                    encoded.append(self._encode(item))
-            return encoded
+            return self._list(value)
         if kind is dict and TAG not in value and all(type(k) is str for k in value):
             return {key: self._encode(item) for key, item in value.items()}
         name = _NAMES.get(kind)
