@@ -88,15 +88,16 @@ def _fast_eq(a: Any, b: Any) -> bool:
 def _walk(a: Any, b: Any, path: str, ops: list, eq) -> None:
     ta, tb = type(a), type(b)
     if ta is dict and tb is dict:
+        # Most members of a state are the same object as before: they cost a look-up each,
+        # and a path is made only for one that changed.
         for key, va in a.items():
-            where = path + "/" + escape(key)
             if key in b:
                 vb = b[key]
-                if not eq(va, vb):
-                    _walk(va, vb, where, ops, eq)
+                if va is not vb and not eq(va, vb):
+                    _walk(va, vb, path + "/" + escape(key), ops, eq)
             else:
-                ops.append({"op": "remove", "path": where})
-        if len(b) > len(a) or any(key not in a for key in b):
+                ops.append({"op": "remove", "path": path + "/" + escape(key)})
+        if not b.keys() <= a.keys():  # in b's order: the same patch for the same states
             for key, vb in b.items():
                 if key not in a:
                     ops.append({"op": "add", "path": path + "/" + escape(key), "value": vb})
