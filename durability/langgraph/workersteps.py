@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from durability import canonical
+from durability import canonical, diff
 from durability.langgraph.status import BRANCH
 from durability.models import Mutation
 
@@ -53,7 +53,7 @@ def ran(ops: list[dict]) -> Ran:
     """What a checkpoint's patch (RFC 6902 operations on the graph's document) says ran."""
     found = Ran()
     for op in ops:
-        parts = [_unescape(p) for p in str(op.get("path", "")).split("/")[1:]]
+        parts = diff.split_path(str(op.get("path", "")))
         value = op.get("value")
         if parts == ["checkpoint"] and isinstance(value, dict):  # the first: whole
             _seen(found, value.get("versions_seen") or {}, value.get("channel_versions") or {})
@@ -104,7 +104,3 @@ def of_run(run_id: Any, seqs: Iterable[int]) -> dict[int, Ran]:
         if isinstance(ops, list) and ops and seq is not None:
             shown[seq] = ran(ops)
     return shown
-
-
-def _unescape(part: str) -> str:
-    return part.replace("~1", "/").replace("~0", "~")

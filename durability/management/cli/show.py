@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
-
-from django.utils import timezone
 
 from durability import approvals as edits
 from durability import canonical, operations, presence, rollbacks
@@ -24,7 +21,6 @@ from durability.models import (
     JournalEntry,
     Run,
     RunStatus,
-    WorkerPresence,
 )
 from durability.store.lg_sql import AGENT_VERSION
 
@@ -163,11 +159,6 @@ def _effect_json(e: Effect) -> dict[str, Any]:
 # --- text ------------------------------------------------------------------------------------
 
 
-def _workers_alive() -> bool:
-    since = timezone.now() - timedelta(seconds=presence.ttl())
-    return WorkerPresence.objects.filter(seen_at__gte=since).exists()
-
-
 def _what_if(run: Run) -> str:
     if not run.what_if:
         return ""
@@ -188,10 +179,10 @@ def _header(say: Say, run: Run) -> None:
     )
     if run.lease_owner:
         say(f"  leased by {run.lease_owner} until {run.lease_expires_at:%H:%M:%S}")
-    if run.status == RunStatus.QUEUED and not _workers_alive():
+    if run.status == RunStatus.QUEUED and not presence.live():
         say(
-            f"  no worker is running (none announced itself in the last {presence.ttl():g} s):"
-            " the run starts once one is (see docs/operations.md)"
+            f"  no worker is running (none announced itself in the last {presence.ttl():g} s,"
+            " or its process is gone): the run starts once one is (see docs/operations.md)"
         )
     if run.legal_hold:
         say("  on legal hold: retention and deletion leave it alone")
