@@ -73,7 +73,7 @@ TRANSITIONS: dict[str, Transition] = {
     # what its latest checkpoint says: no worker holds such a run, so never running/queued.
     "graph_waits":  _t({WAITING, SUCCEEDED, FAILED}, WAITING),   # mid-run or interrupted
     "graph_ended":  _t({WAITING, FAILED},            SUCCEEDED), # no next task: at its end
-    "graph_failed": _t({WAITING},                    FAILED),    # a node raised
+    "graph_failed": _t({WAITING, FAILED},            FAILED),    # a node raised (again)
 }
 # fmt: on
 
@@ -293,7 +293,8 @@ def graph_change(
     for an answer (``WaitReason.INTERRUPT``); ``detail`` says what. ``graph_ended``: it has
     no task to run, the graph reached its end (invoking it again on the thread makes it wait
     again). ``graph_failed``: a node raised, ``error`` is what LangGraph stored beside the
-    checkpoint."""
+    checkpoint; on a failed run too (a graph taken up again where it failed, failing again:
+    the run says its latest error), unless it is the same error."""
     cleared = {"wait_reason": WaitReason.NONE, "error": "", "error_code": "", "updated_at": At.NOW}
     if op == "graph_waits":
         detail = detail[:500]
@@ -318,7 +319,7 @@ def graph_change(
             "error_code": code,
             "finished_at": At.NOW,
         }
-        return GraphChange(op, fields, {})
+        return GraphChange(op, fields, {"status": FAILED, "error": error[:10000]})
     raise ValueError(f"not a graph's report: {op!r}")
 
 

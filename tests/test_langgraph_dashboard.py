@@ -10,10 +10,11 @@ docs/langgraph.md."""
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import shutil
-from typing import TypedDict
+from typing import Annotated, TypedDict
 
 import pytest
 from django.test import Client
@@ -227,3 +228,40 @@ def test_parallel_interrupts_are_listed_each_with_its_node_and_id(web):
     resume = page.locator("#graph-resume")
     for i in asked:
         expect(resume).to_contain_text(f"{i.id!r}: ...")
+
+
+class Batch(TypedDict):
+    log: Annotated[list, operator.add]
+    n: int
+
+
+def test_tasks_sent_with_send_are_named_by_their_nodes(web):
+    from langgraph.types import Send, interrupt
+
+    builder = StateGraph(Batch)
+    builder.add_node("work", lambda s: {"log": [s["n"] * 10]})
+    builder.add_node("review", lambda s: {"log": [interrupt(f"may item {s['n']} ship?")]})
+    sends = [Send("work", {"log": [], "n": 1}), Send("review", {"log": [], "n": 2})]
+    builder.add_conditional_edges(START, lambda s: sends, ["work", "review"])
+    builder.add_edge("work", END)
+    builder.add_edge("review", END)
+    saver = DurableSaver(graph="sent-review")
+    config = {"configurable": {"thread_id": "sent-page"}}
+    try:
+        graph = builder.compile(checkpointer=saver)
+        graph.invoke({"log": [], "n": 0}, config)
+        run = Run.objects.get(pk=saver.run_of("sent-page").pk)
+        page = web.sign_in("olive")
+        page.goto(f"{web.base}/runs/{run.id}/")
+        asked = page.locator("#graph-interrupt")
+        expect(asked).to_contain_text("may item 2 ship?")
+        expect(asked).to_contain_text("asked by node review")
+        graph.invoke(Command(resume="shipped"), config)
+    finally:
+        saver.close()
+    page.goto(f"{web.base}/runs/{run.id}/")
+    expect(page.locator("#run-status")).to_have_text("succeeded")
+    timeline = page.locator("#timeline-items")
+    expect(timeline).to_contain_text("work wrote log")
+    expect(timeline).to_contain_text("review wrote log")
+    expect(timeline).not_to_contain_text("a sent task")

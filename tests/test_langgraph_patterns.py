@@ -61,6 +61,93 @@ def test_a_map_reduce_with_send_ends_its_run():
     assert describe.waiting(run, {"__pregel_tasks": [], "log": [0, 10, 20]}).next == []
 
 
+def summaries(run: Run) -> list[str]:
+    steps = describe.supersteps(run.id, range(run.head_seq + 1))
+    return [t.summary for step in steps.values() for t in step.tasks]
+
+
+def test_sent_tasks_are_named_after_the_node_they_were_sent_to():
+    # Two nodes sent to at once: each task's node is read from the checkpoint it ran from
+    # (its path gives only its index there), and the order of the sends is kept.
+    from langgraph.types import Send
+
+    builder = StateGraph(graphs.Tally)
+    builder.add_node("work", lambda s: {"log": [s["n"] * 10]})
+    builder.add_node("audit", lambda s: {"log": [f"audit {s['n']}"]})
+    sends = [Send("audit", {"log": [], "n": 0}), Send("work", {"log": [], "n": 1})]
+    builder.add_conditional_edges(START, lambda s: sends, ["work", "audit"])
+    builder.add_edge("work", END)
+    builder.add_edge("audit", END)
+    cfg = side_by_side(builder, lambda g, c: g.invoke(START_VALUES, c))
+    said = summaries(run_of(cfg))
+    assert "audit wrote log" in said and "work wrote log" in said, said
+    assert not [s for s in said if "sent task" in s], said
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "exit"])
+def test_a_sent_task_that_fails_or_asks_is_named_by_its_node(mode):
+    # "async": a task's writes may reach the saver before the checkpoint it ran from.
+    from langgraph.types import Send
+
+    tries: list[int] = []
+
+    def check(state: graphs.Tally) -> dict:
+        if state["n"] == 2:
+            tries.append(1)
+            raise ValueError(f"item {state['n']} is malformed (try {len(tries)})")
+        return {"log": [state["n"]]}
+
+    builder = StateGraph(graphs.Tally)
+    builder.add_node("check", check)
+    builder.add_conditional_edges(
+        START, lambda s: [Send("check", {"log": [], "n": i}) for i in range(3)], ["check"]
+    )
+    builder.add_edge("check", END)
+    graph, cfg = builder.compile(checkpointer=DurableSaver()), config()
+    with pytest.raises(ValueError, match="malformed"):
+        graph.invoke(START_VALUES, cfg, durability=mode)
+    run = run_of(cfg)
+    assert run.status == "failed"
+    assert run.error == "node check raised ValueError: item 2 is malformed (try 1)", run.error
+    # Taken up again by a saver that has put nothing (another process): named from the
+    # checkpoint it read.
+    again = builder.compile(checkpointer=DurableSaver())
+    with pytest.raises(ValueError, match="malformed"):
+        again.invoke(None, cfg, durability=mode)
+    run = run_of(cfg)
+    assert run.error == "node check raised ValueError: item 2 is malformed (try 2)", run.error
+
+    def review(state: graphs.Tally) -> dict:
+        return {"log": [interrupt(f"may item {state['n']} ship?")]}
+
+    builder = StateGraph(graphs.Tally)
+    builder.add_node("review", review)
+    builder.add_conditional_edges(
+        START, lambda s: [Send("review", {"log": [], "n": 7})], ["review"]
+    )
+    builder.add_edge("review", END)
+    graph, cfg = builder.compile(checkpointer=DurableSaver()), config()
+    graph.invoke(START_VALUES, cfg, durability=mode)
+    run = run_of(cfg)
+    head = graph.get_state(cfg)
+    assert run.status == "waiting" and head.next == ("review",)
+    found = describe.waiting(run, _stored_values(run))
+    assert [(node, value) for node, value, _ in found.interrupts] == [
+        ("review", "may item 7 ship?")
+    ]
+    graph.invoke(Command(resume="yes"), cfg, durability=mode)
+    # "exit" stores no task's writes but the special ones: the node, without its channels.
+    assert ("review" if mode == "exit" else "review wrote log") in summaries(run_of(cfg))
+
+
+def _stored_values(run: Run):
+    """The run's latest channel values as stored (what the dashboard hands ``waiting``)."""
+    from durability import checkpoints
+
+    cp = run.checkpoints.get(seq=run.head_seq)
+    return checkpoints.verified_state(cp)[0]["values"]
+
+
 def test_an_error_a_node_handler_takes_is_no_failure_of_the_run():
     cfg = side_by_side(graphs.handled_failure(), lambda g, c: g.invoke(START_VALUES, c))
     run = run_of(cfg)
@@ -115,6 +202,8 @@ def test_the_functional_api_with_an_interrupt():
     (asked_for,), cfg = runs[0]
     assert asked_for == 'an answer to: {"publish": 6}'
     assert run_of(cfg).status == "succeeded"
+    # A task's call is named by its caller: its own name is in no checkpoint.
+    assert "a task called by workflow" in summaries(run_of(cfg)), summaries(run_of(cfg))
 
 
 @pytest.mark.parametrize("mode", ["exit", "async"])

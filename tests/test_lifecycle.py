@@ -159,6 +159,18 @@ def test_a_conditional_transition_acts_only_on_the_status_it_expects(op, status)
     assert row(run)["status"] == transition.target
 
 
+def test_a_graph_failing_again_says_its_latest_error_and_the_same_one_changes_nothing():
+    run = run_in(RunStatus.FAILED)
+    Run.objects.filter(pk=run.pk).update(error="boom", error_code="DUR501")
+    before = row(run)
+    again = lifecycle.graph_change("graph_failed", error="boom", code="DUR501")
+    assert lifecycle.apply_graph(run.pk, again) is False
+    assert row(run) == before
+    other = lifecycle.graph_change("graph_failed", error="timed out", code="DUR501")
+    assert lifecycle.apply_graph(run.pk, other) is True
+    assert (row(run)["status"], row(run)["error"]) == ("failed", "timed out")
+
+
 def test_the_sweepers_requeue_is_fenced_on_the_token_it_read():
     run = run_in(RunStatus.RUNNING, token=8)
     before = row(run)
@@ -184,4 +196,5 @@ def test_every_status_pair_allowed_comes_from_the_table():
     # LangGraph graph executed in its own process) by its graph being invoked again.
     for finished in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED):
         ops = {op for op, t in lifecycle.TRANSITIONS.items() if finished in t.sources}
-        assert ops <= {"resume", "hold", "restart", "end", "graph_waits", "graph_ended"}
+        graph = {"graph_waits", "graph_ended", "graph_failed"}
+        assert ops <= {"resume", "hold", "restart", "end", *graph}

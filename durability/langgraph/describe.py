@@ -13,17 +13,27 @@ serializer where it is installed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from durability import canonical
 from durability.agents import registry
-from durability.errors import UnknownAgent
+from durability.errors import IntegrityViolation, UnknownAgent
 from durability.langgraph import codec
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.langgraph.runs import continue_code, how_to_continue
-from durability.langgraph.status import BRANCH, ERROR, HANDLED, INTERRUPT, node_of, shown
+from durability.langgraph.status import (
+    BRANCH,
+    ERROR,
+    HANDLED,
+    INTERRUPT,
+    node_of,
+    sent_index,
+    sent_node,
+    shown,
+)
 from durability.store.lg_sql import AGENT_VERSION
 
 RESUME = "__resume__"
@@ -36,6 +46,7 @@ class Task:
     """One task of a superstep: its node, the channels it wrote, where it routed."""
 
     node: str
+    sent: int | None = None  # sent with ``Send``: where in its checkpoint's ``__pregel_tasks``
     channels: list[str] = field(default_factory=list)
     routes: list[str] = field(default_factory=list)
     error: str = ""
@@ -170,7 +181,9 @@ def _tasks(rows: Iterable[tuple], found: Any) -> dict[str, list[Task]]:
     tasks of each checkpoint's superstep."""
     by_task: dict[tuple[str, str], Task] = {}
     for lg_id, task_id, path, channel, text in rows:
-        task = by_task.setdefault((lg_id, task_id), Task(node_of(path)))
+        task = by_task.get((lg_id, task_id))
+        if task is None:
+            task = by_task[lg_id, task_id] = Task(node_of(path), sent_index(path))
         if channel.startswith(BRANCH):
             task.routes.append(channel[len(BRANCH) :])
         elif channel.startswith(_JOIN):
@@ -212,6 +225,37 @@ def writes_of(thread_pk: int, lg_ids: Iterable[str]) -> dict[str, list[Task]]:
     return _tasks([(*r, "") for r in plain] + list(special.values_list(*cols, "value")), found)
 
 
+def _name_sent(run_id: Any, thread_pk: int, tasks: dict[str, list[Task]]) -> None:
+    """Name the tasks sent with ``Send`` after their nodes, which only the ``__pregel_tasks``
+    channel of the checkpoint they ran from holds: the states of the checkpoints that sent
+    tasks (those alone) are rebuilt, in one pass. Where LangGraph is missing, or a state
+    does not rebuild (``durability verify`` says why), they stay "a sent task"."""
+    sent = [lg for lg, found in tasks.items() if any(t.sent is not None for t in found)]
+    found = serde() if sent else None
+    if found is None:
+        return
+    from durability.langgraph import reader  # LangGraph is there: ``serde`` found it
+
+    ids = dict(
+        SavedCheckpoint.objects.filter(thread_id=thread_pk, lg_id__in=sent).values_list(
+            "checkpoint_id", "lg_id"
+        )
+    )
+    with contextlib.suppress(IntegrityViolation):
+        reader.each_state(
+            run_id,
+            set(ids),
+            lambda cp_id, state: _named(tasks[ids[cp_id]], state.get("values"), found),
+        )
+
+
+def _named(tasks: list[Task], values: Any, found: Any) -> None:
+    """Name the sent ones of a checkpoint's ``tasks`` from its channel values as stored."""
+    for task in tasks:
+        if task.sent is not None:
+            task.node = sent_node(values, task.sent, found) or task.node
+
+
 def supersteps(run_id: Any, seqs: Iterable[int]) -> dict[int, Superstep]:
     """The supersteps of the run's checkpoints ``seqs`` (those the saver wrote)."""
     saved = list(
@@ -222,6 +266,7 @@ def supersteps(run_id: Any, seqs: Iterable[int]) -> dict[int, Superstep]:
     if not saved:
         return {}
     tasks = writes_of(saved[0][4], [row[2] for row in saved if row[2]])
+    _name_sent(run_id, saved[0][4], tasks)
     shown_steps = {}
     for seq, lg_id, parent, metadata, _ in saved:
         md = metadata if isinstance(metadata, dict) else {}
@@ -246,6 +291,8 @@ def waiting(run: Any, head_values: Any = None) -> Waiting:
         .first()
     )
     tasks = writes_of(thread.pk, [head]).get(head, []) if thread and head else []
+    if any(t.sent is not None for t in tasks) and (found := serde()) is not None:
+        _named(tasks, head_values, found)
     answered = any(t.answers for t in tasks)
     interrupts = [] if answered else [(t.node, v, i) for t in tasks for v, i in t.interrupts]
     errors = [(t.node, t.error) for t in tasks if t.error and not t.handled]

@@ -262,11 +262,11 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 )
                 mem.remember(known)
             mem.keep(found.thread, found.stored, found.head_seq)
-            doc = found.stored.doc
-            writes = reader.decoded_writes(found.writes, self.serde)
-            return shared.checkpoint_tuple(
-                self.serde, thread_id, ns, found.stored.lg_id, found.lg_parent, doc, writes
+            stored, writes = found.stored, reader.decoded_writes(found.writes, self.serde)
+            read = shared.checkpoint_tuple(
+                self.serde, thread_id, ns, stored.lg_id, found.lg_parent, stored.doc, writes
             )
+            return self._status.read(known, read)
 
     def _get_tuple_orm(self, thread_id: str, ns: str, wanted: str) -> CheckpointTuple | None:
         thread = self._thread(thread_id, ns, create=False)
@@ -287,9 +287,10 @@ class DurableSaver(BaseCheckpointSaver[int]):
                 return None
             self._memory.keep(thread.pk, last)
         writes = reader.pending_writes(thread, [lg_id], self.serde).get(lg_id, [])
-        return shared.checkpoint_tuple(
+        read = shared.checkpoint_tuple(
             self.serde, thread_id, ns, lg_id, lg_parent, last.doc, writes
         )
+        return self._status.read(thread, read)
 
     def list(
         self,

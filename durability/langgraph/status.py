@@ -31,17 +31,21 @@ import json
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db import DatabaseError, connection
 
 from durability import events, lifecycle
 from durability.errors import StepError
+from durability.langgraph import codec
 from durability.langgraph.models import Thread
 from durability.models import Event, RunStatus, WaitReason
 from durability.redact import redact
 from durability.store import langgraph as lg_store
 from durability.store.reconnect import drop
+
+if TYPE_CHECKING:  # reading a run for people needs no LangGraph (``describe``)
+    from langgraph.checkpoint.base import CheckpointTuple
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +72,43 @@ def next_nodes(values: Mapping[str, Any]) -> list[str]:
 
 def node_of(task_path: str) -> str:
     """The node a task ran, from LangGraph's task path ("~__pregel_pull, model"; a node's
-    error handler's: "~__pregel_pull, model, node_error_handler, ...")."""
+    error handler's: "~__pregel_pull, model, node_error_handler, ..."; a functional API
+    ``@task`` call's nests its caller's: "~__pregel_push, ~__pregel_pull, flow, ..."). A
+    task sent with ``Send`` ("~__pregel_push, 0000000002, ...") is named by its checkpoint's
+    channel values, not its path (``sent_index``, ``sent_node``): "a sent task" here."""
     parts = [p.strip() for p in task_path.split(",")]
     if len(parts) >= 3 and parts[0] == "~__pregel_pull" and parts[2] == "node_error_handler":
         return f"{parts[1]}'s error handler"
     if len(parts) >= 2 and parts[0] == "~__pregel_pull":
         return parts[1]
+    if len(parts) >= 3 and parts[0] == "~__pregel_push" and parts[1] == "~__pregel_pull":
+        return f"a task called by {parts[2]}"
     return "a sent task" if parts[0] == "~__pregel_push" else ""
+
+
+def sent_index(task_path: str) -> int | None:
+    """Where a task sent with ``Send`` is in the ``__pregel_tasks`` channel of the
+    checkpoint it ran from (LangGraph's path "~__pregel_push, 0000000002, ..."); None for
+    any other task."""
+    parts = task_path.split(",", 2)
+    if len(parts) >= 2 and parts[0].strip() == "~__pregel_push" and parts[1].strip().isdigit():
+        return int(parts[1])
+    return None
+
+
+def sent_node(values: Any, index: int, serde: Any) -> str:
+    """The node that the ``Send`` at ``index`` of a checkpoint's ``__pregel_tasks`` channel
+    (``values``: its channel values, as stored) sends a task to; "" if they do not say
+    (no such packet, or one that does not decode)."""
+    packets = values.get(_SENT) if isinstance(values, dict) else None
+    if not isinstance(packets, list) or not 0 <= index < len(packets):
+        return ""
+    try:
+        packet = codec.decode(packets[index], serde)
+    except Exception:  # noqa: BLE001 - a name for people: the generic one will do
+        return ""
+    node = getattr(packet, "node", None)
+    return node if isinstance(node, str) else ""
 
 
 def shown(value: Any, limit: int = 400) -> str:
@@ -107,9 +141,12 @@ class Reporter:
         self._written: dict[int, int] = {}  # thread -> number of the last report written
         self._said: dict[int, str] = {}
         self._latest: dict[int, tuple[str, int]] = {}  # thread -> (checkpoint id, seq)
-        # thread -> checkpoint id -> task id -> (kind, text): every task of a superstep may
-        # stop it (parallel branches each calling ``interrupt()``).
-        self._stops: dict[int, dict[str, dict[str, tuple[str, str]]]] = {}
+        # thread -> checkpoint id -> task id -> what it stopped on: every task of a
+        # superstep may stop it (parallel branches each calling ``interrupt()``).
+        self._stops: dict[int, dict[str, dict[str, Stop]]] = {}
+        # thread -> (checkpoint id, the nodes its sent tasks run, in order): a sent task's
+        # path gives only its place among them (``sent_index``).
+        self._sends: dict[int, tuple[str, tuple[str, ...]]] = {}
 
     def known(self, thread: Thread) -> None:
         """What ``thread``'s run (loaded with it) says, so that a report that would change
@@ -133,7 +170,7 @@ class Reporter:
         later is written, whether or not it changes anything."""
         with self._lock:
             for pk in threads:
-                for kept in (self._written, self._said, self._latest, self._stops):
+                for kept in (self._written, self._said, self._latest, self._stops, self._sends):
                     kept.pop(pk, None)
 
     def put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Report | None:
@@ -144,14 +181,31 @@ class Reporter:
 
     def _put(self, thread: Thread, lg_id: str, values: Any, seq: int) -> Report | None:
         self._latest[thread.pk] = (lg_id, seq)
+        self._sent(thread.pk, lg_id, values)
         stops = self._stops.setdefault(thread.pk, {})
         for old in [k for k in stops if k < lg_id]:
             del stops[old]
         if lg_id in stops:
-            return self._report(thread, seq, *_combined(stops[lg_id]))
+            return self._report(thread, seq, *self._combined(thread.pk, lg_id, stops[lg_id]))
         if next_nodes(values):
             return self._report(thread, seq, "wait", MID_RUN)
         return self._report(thread, seq, "end", "")
+
+    def read(self, thread: Thread, read: CheckpointTuple) -> CheckpointTuple:
+        """A checkpoint of ``thread`` was read (returned as it is): the sent tasks of a
+        graph taken up again from it are named by it."""
+        lg_id = read.config["configurable"]["checkpoint_id"]
+        with self._lock:
+            if self._latest.get(thread.pk, ("",))[0] <= lg_id:  # not an older one looked at
+                self._sent(thread.pk, lg_id, read.checkpoint["channel_values"])
+        return read
+
+    def _sent(self, thread: int, lg_id: str, values: Any) -> None:
+        packets = values.get(_SENT) if isinstance(values, dict) else None
+        if packets:
+            self._sends[thread] = (lg_id, tuple(getattr(p, "node", "") for p in packets))
+        else:
+            self._sends.pop(thread, None)
 
     def unsaid(self, thread: Thread) -> None:
         """What was last said of ``thread``'s run was not written: said again at the next
@@ -187,7 +241,7 @@ class Reporter:
             return self._writes(thread, lg_id, stop, seq, task_id or task_path, stored)
 
     def _writes(
-        self, thread: Thread, lg_id: str, stop: tuple[str, str], seq: int, task: str, stored: bool
+        self, thread: Thread, lg_id: str, stop: Stop, seq: int, task: str, stored: bool
     ) -> Report | None:
         if thread.pk not in self._latest and stored:
             self._latest[thread.pk] = (lg_id, seq)
@@ -198,7 +252,27 @@ class Reporter:
             return None
         found = self._stops.setdefault(thread.pk, {}).setdefault(lg_id, {})
         found[task] = stop
-        return self._report(thread, seq, *_combined(found)) if lg_id == latest else None
+        if lg_id != latest:
+            return None
+        return self._report(thread, seq, *self._combined(thread.pk, lg_id, found))
+
+    def _combined(self, thread: int, lg_id: str, stops: Mapping[str, Stop]) -> tuple[str, str]:
+        """One status for what a superstep's tasks stopped on. A failure wins: the graph
+        cannot go on before it is dealt with. Interrupts of parallel tasks are all named
+        (each needs its answer), in the order their tasks were stored."""
+        for stop in stops.values():
+            if stop.kind == "fail":
+                said = f"node {self._node(thread, lg_id, stop)} raised {stop.text}"
+                return "fail", shown(said, 2000)
+        return "wait", ANSWER + "; ".join(stop.text for stop in stops.values())
+
+    def _node(self, thread: int, lg_id: str, stop: Stop) -> str:
+        """The node of the task that stopped: its path's, or a sent task's, by its place
+        among the sends of the checkpoint it ran from (when that one was put or read)."""
+        sent_from, nodes = self._sends.get(thread, ("", ()))
+        if stop.sent is not None and sent_from == lg_id and stop.sent < len(nodes):
+            return nodes[stop.sent] or stop.node
+        return stop.node
 
     def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Report | None:
         said = f"{kind}:{text}"
@@ -268,7 +342,18 @@ class Report:
             return True
 
 
-def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] | None:
+class Stop(NamedTuple):
+    """What a task stopped its superstep on: ``kind`` "wait" (``text``: what its interrupt
+    asks) or "fail" (``text``: its error); its node as its path names it, and, for a task
+    sent with ``Send``, its place among its checkpoint's sends, which name it instead."""
+
+    kind: str
+    text: str
+    node: str = ""
+    sent: int | None = None
+
+
+def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> Stop | None:
     """What an interrupt or an error among a task's writes says of the run, if any: a
     failure's message, or what the interrupt asks. An error the node's error handler takes
     (LangGraph writes ``HANDLED`` beside it) stops nothing: the graph goes on to the
@@ -279,21 +364,11 @@ def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> tuple[str, str] 
     for channel, value in writes:
         if channel == INTERRUPT:
             asked = [getattr(i, "value", i) for i in (value or ())]
-            return "wait", "; ".join(shown(v) for v in asked) or "(no value)"
+            return Stop("wait", "; ".join(shown(v) for v in asked) or "(no value)")
         if channel == ERROR:
             node = node_of(task_path) or "a task"
-            return "fail", shown(f"node {node} raised {type(value).__name__}: {value}", 2000)
+            return Stop("fail", f"{type(value).__name__}: {value}", node, sent_index(task_path))
     return None
-
-
-def _combined(stops: Mapping[str, tuple[str, str]]) -> tuple[str, str]:
-    """One status for what a superstep's tasks stopped on. A failure wins: the graph
-    cannot go on before it is dealt with. Interrupts of parallel tasks are all named (each
-    needs its answer), in the order their tasks were stored."""
-    failed = [text for kind, text in stops.values() if kind == "fail"]
-    if failed:
-        return "fail", failed[0]
-    return "wait", ANSWER + "; ".join(text for _, text in stops.values())
 
 
 def _forget(exc: BaseException | None) -> None:
