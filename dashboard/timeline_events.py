@@ -137,6 +137,9 @@ _ROLLBACK_CHOICES = {
 
 
 def _rollback(item: Item, e: Event, d: dict) -> None:
+    if "langgraph_runs" in d:
+        _langgraph_hid(item, e, d)
+        return
     item.title = f"rolled back to #{d.get('to', '?')}"
     item.detail = f"new head #{d.get('new_head', e.seq)}"
     undone = d.get("done_not_undone") or []
@@ -153,6 +156,25 @@ def _rollback(item: Item, e: Event, d: dict) -> None:
             item.facts.append((words, ", ".join(chosen[choice])))
     if d.get("held"):
         item.facts.append(("then", "on hold until continued"))
+
+
+def _langgraph_hid(item: Item, e: Event, d: dict) -> None:
+    """Checkpoints a LangGraph graph's process took out of LangGraph's view (its saver's
+    ``delete_for_runs`` or ``prune``): the store keeps them, the graph goes on from the
+    latest one it still sees."""
+    to = d.get("to", "?")
+    item.title = f"LangGraph went back to #{to}" if d.get("moved") else "LangGraph pruned"
+    span = (
+        f"#{d.get('from', '?')}"
+        if d.get("from") == d.get("through")
+        else (f"#{d.get('from', '?')} to #{d.get('through', '?')}")
+    )
+    item.detail = (
+        f"{d.get('hidden', '?')} checkpoint(s) ({span}) taken out of what the graph reads;"
+        f" it goes on from #{to}. They stay here until retention compacts them."
+    )
+    if runs := d.get("langgraph_runs"):
+        item.facts.append(("LangGraph runs", ", ".join(str(r) for r in runs)))
 
 
 def _compensated(item: Item, e: Event, d: dict) -> None:

@@ -29,6 +29,7 @@ from durability.langgraph.status import (
     ERROR,
     HANDLED,
     INTERRUPT,
+    RESUME,
     node_of,
     sent_index,
     sent_node,
@@ -36,7 +37,6 @@ from durability.langgraph.status import (
 )
 from durability.store.lg_sql import AGENT_VERSION
 
-RESUME = "__resume__"
 _JOIN = "join:"
 _SPECIAL = (INTERRUPT, ERROR, RESUME)
 

@@ -2,22 +2,37 @@
 but each namespace's latest checkpoint from LangGraph, and ``delete_for_runs``, which hides
 the checkpoints of some of its invocations, while the store keeps the runs' history until
 retention compacts it (a thread's states are patches on their parents: a checkpoint taken
-out of the middle of a chain would leave its children nothing to be rebuilt from)."""
+out of the middle of a chain would leave its children nothing to be rebuilt from).
+
+Hiding checkpoints is told on the run's timeline and in the audit log, as the graph's
+process doing it (a ``rollback`` event: LangGraph goes back to the latest checkpoint it
+still sees). When that is not the one it saw before (``delete_for_runs`` of its latest
+invocation), the run's status is read back from it in the same transaction (``status.
+read_back``): a thread sent back to an interrupt waits for its answer again, rather than
+showing the end of the invocation LangGraph no longer has. The run's head stays the last
+checkpoint stored; the graph's next one is a patch on the one LangGraph went back to.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
+from durability import events
 from durability.deletion import delete_runs
 from durability.errors import OnLegalHold
-from durability.langgraph import delta, options
+from durability.langgraph import codec, delta, options, reader, status, store
 from durability.langgraph.models import PendingWrite, SavedCheckpoint, Thread
 from durability.models import Run
+from durability.store import langgraph as lg_store
 
-# Who the audit log says deleted a thread's runs: the graph's own process, through its saver.
+# Who the audit log says deleted a thread's runs, or hid checkpoints from LangGraph: the
+# graph's own process, through its saver.
 DELETER = "langgraph:delete_thread"
+HIDER = "langgraph:delete_for_runs"
+PRUNER = "langgraph:prune"
 
 
 def delete_thread(thread_id: str) -> list[Thread]:
@@ -67,25 +82,32 @@ def prune(thread_ids: Sequence[str], strategy: str) -> list[Thread]:
         )
     for thread_id in thread_ids:
         with transaction.atomic():
-            for thread in Thread.objects.filter(thread_id=thread_id):
+            threads = list(Thread.objects.filter(thread_id=thread_id))
+            _lock(threads)
+            for thread in threads:
                 rows = SavedCheckpoint.objects.filter(thread=thread)
                 latest = rows.order_by("-lg_id").first()
                 if latest is None:
                     continue
+                hidden = list(rows.exclude(pk=latest.pk).values_list("checkpoint__seq", flat=True))
                 rows.exclude(pk=latest.pk).delete()
                 rows.filter(pk=latest.pk).update(lg_parent_id="")
                 PendingWrite.objects.filter(thread=thread).exclude(
                     checkpoint_id=latest.lg_id
                 ).delete()
+                if hidden:
+                    _hidden(thread, hidden, moved=False, serde=None, by=PRUNER)
     return []
 
 
-def delete_for_runs(run_ids: Sequence[str]) -> list[Thread]:
+def delete_for_runs(run_ids: Sequence[str], serde: Any) -> list[Thread]:
     """LangGraph's ``delete_for_runs``: the checkpoints whose metadata names one of
     ``run_ids`` (LangGraph's run id of the invocation that wrote them) and their pending
     writes, gone from what LangGraph reads (``get_tuple``, ``list``, the history); the
     threads they were in. Bad input, and threads with a delta channel (whose values are
-    rebuilt from the writes of older checkpoints), are refused before anything changes."""
+    rebuilt from the writes of older checkpoints), are refused before anything changes.
+    ``serde``: the saver's, which decodes the checkpoint a thread's status is read back
+    from."""
     if isinstance(run_ids, str):
         raise TypeError("run_ids must be a sequence of run ids, not one string")
     ids = [str(r) for r in run_ids]
@@ -101,8 +123,69 @@ def delete_for_runs(run_ids: Sequence[str]) -> list[Thread]:
                 f" {', '.join(refused)}; nothing was deleted. delete_thread deletes such a"
                 " thread whole."
             )
-        for thread in threads:  # one statement a thread, not one a checkpoint
-            gone = rows.filter(thread=thread).values("lg_id")
-            PendingWrite.objects.filter(thread=thread, checkpoint_id__in=gone).delete()
-        rows.delete()
+        _lock(threads)
+        for thread in threads:  # a statement or two a thread, not one a checkpoint
+            was = _latest(thread)
+            gone = list(
+                rows.filter(thread=thread).values_list(
+                    "lg_id", "checkpoint__seq", "metadata__run_id"
+                )
+            )
+            lg_ids = [lg_id for lg_id, _, _ in gone]
+            PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).delete()
+            SavedCheckpoint.objects.filter(thread=thread, lg_id__in=lg_ids).delete()
+            moved = _latest(thread) != was
+            hidden, runs = [seq for _, seq, _ in gone], sorted({str(r) for _, _, r in gone})
+            _hidden(thread, hidden, moved=moved, serde=serde, by=HIDER, runs=runs)
     return threads
+
+
+def _lock(threads: list[Thread]) -> None:
+    """Lock the threads' runs, in one order: a checkpoint being stored meanwhile (its
+    statement holds its run's row) commits first, and is seen."""
+    pks = sorted({t.run_id for t in threads})
+    list(Run.objects.select_for_update().filter(pk__in=pks).order_by("pk").values_list("pk"))
+
+
+def _latest(thread: Thread) -> tuple[str, int] | None:
+    """The LangGraph id and number of the latest checkpoint LangGraph sees of ``thread``."""
+    found = SavedCheckpoint.objects.filter(thread=thread).order_by("-lg_id")
+    return found.values_list("lg_id", "checkpoint__seq").first()
+
+
+def _hidden(
+    thread: Thread,
+    seqs: list[int],
+    *,
+    moved: bool,
+    serde: Any,
+    by: str,
+    runs: Sequence[str] = (),
+) -> None:
+    """Say on the run's timeline (and in the audit log) that checkpoints ``seqs`` were
+    taken out of LangGraph's view; if the latest one it sees changed (``moved``), read the
+    run's status back from that one. In the caller's transaction, the run locked."""
+    run = Run.objects.get(pk=thread.run_id)
+    latest = _latest(thread)
+    data = {
+        "to": latest[1] if latest else 0,
+        "moved": moved,
+        "hidden": len(seqs),
+        "from": min(seqs),
+        "through": max(seqs),
+        "langgraph_runs": list(runs),
+    }
+    what = f"{len(seqs)} checkpoint(s) of thread {thread.thread_id!r} hidden from LangGraph"
+    events.record(events.rollback(run, by=by, reason=what, seq=run.head_seq, data=data))
+    if not moved:
+        return
+    if latest is None:  # nothing left: the graph starts the thread over
+        kind, text = "wait", status.MID_RUN
+    else:
+        found = store.stored(thread, latest[0])
+        if found is None:  # pragma: no cover - its run is locked
+            return
+        values = codec.decode(found.doc["values"], serde)
+        kind, text = status.read_back(values, reader.task_writes(thread, latest[0], serde))
+    change, event = status.change(run.pk, run.head_seq, kind, text)
+    lg_store.for_connection(connection).report(run.pk, change, event)

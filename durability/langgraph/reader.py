@@ -195,3 +195,17 @@ def decoded_writes(rows: list, serde: Any) -> list[tuple[str, str, Any]]:
             rows, key=lambda w: writes_sort_key(w[3], w[0], w[1])
         )
     ]
+
+
+def task_writes(thread: Thread, lg_id: str, serde: Any) -> list[tuple[str, str, str, Any]]:
+    """A checkpoint's pending writes with their tasks' paths, which name the tasks' nodes:
+    (task id, task path, channel, value decoded), in LangGraph's order."""
+    rows = PendingWrite.objects.filter(thread=thread, checkpoint_id=lg_id).values_list(
+        "task_id", "idx", "channel", "task_path", "value"
+    )
+    return [
+        (task_id, path, channel, codec.decode(canonical.loads(value), serde))
+        for task_id, _idx, channel, path, value in sorted(
+            rows, key=lambda w: writes_sort_key(w[3], w[0], w[1])
+        )
+    ]

@@ -330,7 +330,7 @@ class DurableSaver(BaseCheckpointSaver[int]):
             self._memory.forget(thread)
 
     def _delete_for_runs(self, run_ids: Sequence[str]) -> None:
-        for thread in pruning.delete_for_runs(run_ids):
+        for thread in pruning.delete_for_runs(run_ids, self.serde):
             self._memory.forget(thread)
 
     def _copy_thread(self, source: str, target: str) -> None:

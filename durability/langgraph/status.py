@@ -30,7 +30,7 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db import DatabaseError, connection
@@ -54,7 +54,7 @@ MID_RUN = (
     " when the graph is invoked again on its thread)"
 )
 ANSWER = "an answer to: "
-INTERRUPT, ERROR = "__interrupt__", "__error__"
+INTERRUPT, ERROR, RESUME = "__interrupt__", "__error__", "__resume__"
 # Written beside a task's error when a node's error handler takes it: the graph goes on.
 HANDLED = "__error_source_node__"
 _START, _SENT = "__start__", "__pregel_tasks"
@@ -201,9 +201,8 @@ class Reporter:
         return read
 
     def _sent(self, thread: int, lg_id: str, values: Any) -> None:
-        packets = values.get(_SENT) if isinstance(values, dict) else None
-        if packets:
-            self._sends[thread] = (lg_id, tuple(getattr(p, "node", "") for p in packets))
+        if nodes := _sends_of(values):
+            self._sends[thread] = (lg_id, nodes)
         else:
             self._sends.pop(thread, None)
 
@@ -257,22 +256,9 @@ class Reporter:
         return self._report(thread, seq, *self._combined(thread.pk, lg_id, found))
 
     def _combined(self, thread: int, lg_id: str, stops: Mapping[str, Stop]) -> tuple[str, str]:
-        """One status for what a superstep's tasks stopped on. A failure wins: the graph
-        cannot go on before it is dealt with. Interrupts of parallel tasks are all named
-        (each needs its answer), in the order their tasks were stored."""
-        for stop in stops.values():
-            if stop.kind == "fail":
-                said = f"node {self._node(thread, lg_id, stop)} raised {stop.text}"
-                return "fail", shown(said, 2000)
-        return "wait", ANSWER + "; ".join(stop.text for stop in stops.values())
-
-    def _node(self, thread: int, lg_id: str, stop: Stop) -> str:
-        """The node of the task that stopped: its path's, or a sent task's, by its place
-        among the sends of the checkpoint it ran from (when that one was put or read)."""
+        # A sent task is named by the sends of the checkpoint it ran from, if put or read.
         sent_from, nodes = self._sends.get(thread, ("", ()))
-        if stop.sent is not None and sent_from == lg_id and stop.sent < len(nodes):
-            return nodes[stop.sent] or stop.node
-        return stop.node
+        return _combined(stops, nodes if sent_from == lg_id else ())
 
     def _report(self, thread: Thread, seq: int, kind: str, text: str) -> Report | None:
         said = f"{kind}:{text}"
@@ -323,15 +309,7 @@ class Report:
     def change(self) -> tuple[lifecycle.GraphChange, Event]:
         """The change through the run's state machine (``lifecycle.graph_change``) and its
         event."""
-        run_id, seq, text = self.thread.run_id, self.seq, self.text
-        if self.kind == "wait":
-            wait = WaitReason.INTERRUPT if text.startswith(ANSWER) else WaitReason.GRAPH
-            change = lifecycle.graph_change("graph_waits", detail=text, wait=wait)
-            return change, events.suspended(run_id, wait="", detail=text, seq=seq)
-        if self.kind == "end":
-            return lifecycle.graph_change("graph_ended"), events.succeeded(run_id, seq=seq)
-        change = lifecycle.graph_change("graph_failed", error=text, code=StepError.code)
-        return change, events.failed(run_id, message=text, detail={}, seq=seq)
+        return change(self.thread.run_id, self.seq, self.kind, self.text)
 
     def _first(self) -> bool:
         with self.reporter._lock:
@@ -367,8 +345,63 @@ def _stop(writes: Iterable[tuple[str, Any]], task_path: str) -> Stop | None:
             return Stop("wait", "; ".join(shown(v) for v in asked) or "(no value)")
         if channel == ERROR:
             node = node_of(task_path) or "a task"
-            return Stop("fail", f"{type(value).__name__}: {value}", node, sent_index(task_path))
+            # Read back, an error is the text LangGraph stored of it (its repr).
+            said = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
+            return Stop("fail", said, node, sent_index(task_path))
     return None
+
+
+def change(run_id: Any, seq: int, kind: str, text: str) -> tuple[lifecycle.GraphChange, Event]:
+    """A report (``kind`` "wait", "end" or "fail", and what it says) as the change it makes
+    through the run's state machine (``lifecycle.graph_change``) and its event at ``seq``."""
+    if kind == "wait":
+        wait = WaitReason.INTERRUPT if text.startswith(ANSWER) else WaitReason.GRAPH
+        graph_waits = lifecycle.graph_change("graph_waits", detail=text, wait=wait)
+        return graph_waits, events.suspended(run_id, wait="", detail=text, seq=seq)
+    if kind == "end":
+        return lifecycle.graph_change("graph_ended"), events.succeeded(run_id, seq=seq)
+    failed = lifecycle.graph_change("graph_failed", error=text, code=StepError.code)
+    return failed, events.failed(run_id, message=text, detail={}, seq=seq)
+
+
+def read_back(values: Any, writes: Iterable[tuple[str, str, str, Any]]) -> tuple[str, str]:
+    """What a stored checkpoint says of its run, as ``Reporter`` says it of one being put
+    (for a checkpoint LangGraph goes back to: ``pruning``): ``values``, its channel values,
+    and ``writes``, its tasks' (task id, task path, channel, value), decoded, in LangGraph's
+    order. An interrupt answered already (a ``__resume__`` write beside it) stops nothing:
+    the graph goes on with the answer."""
+    tasks: dict[str, tuple[str, list[tuple[str, Any]]]] = {}
+    for task_id, path, channel, value in writes:
+        tasks.setdefault(task_id, (path, []))[1].append((channel, value))
+    answered = any(channel == RESUME for _, found in tasks.values() for channel, _ in found)
+    stops = {}
+    for task_id, (path, found) in tasks.items():
+        stop = _stop(found, path)
+        if stop is not None and not (answered and stop.kind == "wait"):
+            stops[task_id] = stop
+    if stops:
+        return _combined(stops, _sends_of(values))
+    return ("wait", MID_RUN) if next_nodes(values) else ("end", "")
+
+
+def _combined(stops: Mapping[str, Stop], sends: Sequence[str]) -> tuple[str, str]:
+    """One status for what a superstep's tasks stopped on. A failure wins: the graph
+    cannot go on before it is dealt with. Interrupts of parallel tasks are all named (each
+    needs its answer), in the order their tasks were stored. ``sends``: the nodes of the
+    checkpoint's sent tasks, which name them (``_sends_of``)."""
+    for stop in stops.values():
+        if stop.kind == "fail":
+            node = stop.node
+            if stop.sent is not None and stop.sent < len(sends):
+                node = sends[stop.sent] or node
+            return "fail", shown(f"node {node} raised {stop.text}", 2000)
+    return "wait", ANSWER + "; ".join(stop.text for stop in stops.values())
+
+
+def _sends_of(values: Any) -> tuple[str, ...]:
+    """The nodes a checkpoint's ``Send`` packets (its channel values, decoded) go to."""
+    packets = values.get(_SENT) if isinstance(values, dict) else None
+    return tuple(getattr(p, "node", "") for p in packets or ())
 
 
 def _forget(exc: BaseException | None) -> None:
