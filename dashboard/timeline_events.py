@@ -162,13 +162,9 @@ def _langgraph_hid(item: Item, e: Event, d: dict) -> None:
     """Checkpoints a LangGraph graph's process took out of LangGraph's view (its saver's
     ``delete_for_runs`` or ``prune``): the store keeps them, the graph goes on from the
     latest one it still sees."""
-    to = d.get("to", "?")
+    to, first, last = d.get("to", "?"), d.get("from", "?"), d.get("through", "?")
     item.title = f"LangGraph went back to #{to}" if d.get("moved") else "LangGraph pruned"
-    span = (
-        f"#{d.get('from', '?')}"
-        if d.get("from") == d.get("through")
-        else (f"#{d.get('from', '?')} to #{d.get('through', '?')}")
-    )
+    span = f"#{first}" if first == last else f"#{first} to #{last}"
     item.detail = (
         f"{d.get('hidden', '?')} checkpoint(s) ({span}) taken out of what the graph reads;"
         f" it goes on from #{to}. They stay here until retention compacts them."

@@ -7,9 +7,9 @@ out of the middle of a chain would leave its children nothing to be rebuilt from
 Hiding checkpoints is told on the run's timeline and in the audit log, as the graph's
 process doing it (a ``rollback`` event: LangGraph goes back to the latest checkpoint it
 still sees). When that is not the one it saw before (``delete_for_runs`` of its latest
-invocation), the run's status is read back from it in the same transaction (``status.
-read_back``): a thread sent back to an interrupt waits for its answer again, rather than
-showing the end of the invocation LangGraph no longer has. The run's head stays the last
+invocation), the run's status is read back from it in the same transaction
+(``status.read_back``): a thread sent back to an interrupt waits for its answer again,
+rather than showing the end of the invocation LangGraph no longer has. The run's head stays the last
 checkpoint stored; the graph's next one is a patch on the one LangGraph went back to.
 """
 
