@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 from django.urls import reverse
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
 from durability import canonical, operations
@@ -117,4 +118,26 @@ def test_keep_latest_says_what_it_hid_and_changes_no_status():
     assert actor == PRUNER and data["moved"] is False and data["hidden"] == run.head_seq - 1
     saver.prune([thread])  # nothing more to hide: nothing said
     assert len(hidings(run)) == 1
+    saver.close()
+
+
+def test_a_subgraph_s_run_follows_its_graph_back_too():
+    # Each namespace is a run of its own (a subgraph's, a child run): each says what was
+    # taken out of it, and each status is read back from what LangGraph sees of it.
+    saver, thread = DurableSaver(graph="nested"), uuid.uuid4().hex
+    graph = graphs.with_subgraph().compile(checkpointer=saver)
+    graph.invoke({"log": [], "answer": ""}, invocation(thread, "ask"))
+    graph.invoke(Command(resume="left"), invocation(thread, "answer"))
+    runs = Run.objects.filter(langgraph_thread__thread_id=thread)
+    assert {r.status for r in runs} == {"succeeded"}
+    saver.delete_for_runs(["answer"])
+    runs = {t.checkpoint_ns == "": t.run for t in Thread.objects.filter(thread_id=thread)}
+    assert runs[True].status == "waiting" and runs[False].status == "waiting"
+    for run in runs.values():
+        assert [(actor, d["moved"]) for actor, d in hidings(run)] == [(HIDER, True)]
+    # The answer stayed with the subgraph's interrupt: the graph ends as it did with it.
+    reference = graphs.with_subgraph().compile(checkpointer=InMemorySaver())
+    reference.invoke({"log": [], "answer": ""}, invocation(thread, "ask"))
+    expected = reference.invoke(Command(resume="left"), invocation(thread, "answer"))
+    assert graph.invoke(None, invocation(thread, "again")) == expected
     saver.close()
