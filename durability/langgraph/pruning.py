@@ -85,18 +85,17 @@ def prune(thread_ids: Sequence[str], strategy: str) -> list[Thread]:
             threads = list(Thread.objects.filter(thread_id=thread_id))
             _lock(threads)
             for thread in threads:
-                rows = SavedCheckpoint.objects.filter(thread=thread)
-                latest = rows.order_by("-lg_id").first()
+                latest = _latest(thread)
                 if latest is None:
                     continue
-                hidden = list(rows.exclude(pk=latest.pk).values_list("checkpoint__seq", flat=True))
-                rows.exclude(pk=latest.pk).delete()
-                rows.filter(pk=latest.pk).update(lg_parent_id="")
-                PendingWrite.objects.filter(thread=thread).exclude(
-                    checkpoint_id=latest.lg_id
-                ).delete()
+                rows = SavedCheckpoint.objects.filter(thread=thread)
+                older = rows.exclude(lg_id=latest[0])
+                hidden = list(older.values_list("checkpoint__seq", flat=True))
+                older.delete()
+                rows.filter(lg_id=latest[0]).update(lg_parent_id="")
+                PendingWrite.objects.filter(thread=thread).exclude(checkpoint_id=latest[0]).delete()
                 if hidden:
-                    _hidden(thread, hidden, moved=False, serde=None, by=PRUNER)
+                    _hidden(thread, hidden, latest, moved=False, serde=None, by=PRUNER)
     return []
 
 
@@ -134,9 +133,9 @@ def delete_for_runs(run_ids: Sequence[str], serde: Any) -> list[Thread]:
             lg_ids = [lg_id for lg_id, _, _ in gone]
             PendingWrite.objects.filter(thread=thread, checkpoint_id__in=lg_ids).delete()
             SavedCheckpoint.objects.filter(thread=thread, lg_id__in=lg_ids).delete()
-            moved = _latest(thread) != was
+            now = _latest(thread)
             hidden, runs = [seq for _, seq, _ in gone], sorted({str(r) for _, _, r in gone})
-            _hidden(thread, hidden, moved=moved, serde=serde, by=HIDER, runs=runs)
+            _hidden(thread, hidden, now, moved=now != was, serde=serde, by=HIDER, runs=runs)
     return threads
 
 
@@ -156,6 +155,7 @@ def _latest(thread: Thread) -> tuple[str, int] | None:
 def _hidden(
     thread: Thread,
     seqs: list[int],
+    latest: tuple[str, int] | None,
     *,
     moved: bool,
     serde: Any,
@@ -163,10 +163,10 @@ def _hidden(
     runs: Sequence[str] = (),
 ) -> None:
     """Say on the run's timeline (and in the audit log) that checkpoints ``seqs`` were
-    taken out of LangGraph's view; if the latest one it sees changed (``moved``), read the
-    run's status back from that one. In the caller's transaction, the run locked."""
+    taken out of LangGraph's view; if the latest one it sees (``latest``, from ``_latest``)
+    changed (``moved``), read the run's status back from that one. In the caller's
+    transaction, the run locked."""
     run = Run.objects.get(pk=thread.run_id)
-    latest = _latest(thread)
     data = {
         "to": latest[1] if latest else 0,
         "moved": moved,
