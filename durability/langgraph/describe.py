@@ -30,10 +30,11 @@ from durability.langgraph.status import (
     HANDLED,
     INTERRUPT,
     RESUME,
+    named,
     node_of,
     sent_index,
-    sent_node,
     shown,
+    stored_sends,
 )
 from durability.store.lg_sql import AGENT_VERSION
 
@@ -251,9 +252,9 @@ def _name_sent(run_id: Any, thread_pk: int, tasks: dict[str, list[Task]]) -> Non
 
 def _named(tasks: list[Task], values: Any, found: Any) -> None:
     """Name the sent ones of a checkpoint's ``tasks`` from its channel values as stored."""
+    sends = stored_sends(values, found)
     for task in tasks:
-        if task.sent is not None:
-            task.node = sent_node(values, task.sent, found) or task.node
+        task.node = named(task.node, task.sent, sends)
 
 
 def supersteps(run_id: Any, seqs: Iterable[int]) -> dict[int, Superstep]:

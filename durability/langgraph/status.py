@@ -75,7 +75,7 @@ def node_of(task_path: str) -> str:
     error handler's: "~__pregel_pull, model, node_error_handler, ..."; a functional API
     ``@task`` call's nests its caller's: "~__pregel_push, ~__pregel_pull, flow, ..."). A
     task sent with ``Send`` ("~__pregel_push, 0000000002, ...") is named by its checkpoint's
-    channel values, not its path (``sent_index``, ``sent_node``): "a sent task" here."""
+    channel values, not its path (``sent_index``, ``named``): "a sent task" here."""
     parts = [p.strip() for p in task_path.split(",")]
     if len(parts) >= 3 and parts[0] == "~__pregel_pull" and parts[2] == "node_error_handler":
         return f"{parts[1]}'s error handler"
@@ -96,19 +96,27 @@ def sent_index(task_path: str) -> int | None:
     return None
 
 
-def sent_node(values: Any, index: int, serde: Any) -> str:
-    """The node that the ``Send`` at ``index`` of a checkpoint's ``__pregel_tasks`` channel
-    (``values``: its channel values, as stored) sends a task to; "" if they do not say
-    (no such packet, or one that does not decode)."""
+def stored_sends(values: Any, serde: Any) -> tuple[str, ...]:
+    """``_sends_of`` a checkpoint's channel values as stored: "" for a packet that does not
+    decode (a name for people: the generic one will do)."""
     packets = values.get(_SENT) if isinstance(values, dict) else None
-    if not isinstance(packets, list) or not 0 <= index < len(packets):
-        return ""
-    try:
-        packet = codec.decode(packets[index], serde)
-    except Exception:  # noqa: BLE001 - a name for people: the generic one will do
-        return ""
-    node = getattr(packet, "node", None)
-    return node if isinstance(node, str) else ""
+    if not isinstance(packets, list):
+        return ()
+    decoded = []
+    for packet in packets:
+        try:
+            decoded.append(codec.decode(packet, serde))
+        except Exception:  # noqa: BLE001
+            decoded.append(None)
+    return _sends_of({_SENT: decoded})
+
+
+def named(node: str, sent: int | None, sends: Sequence[str]) -> str:
+    """A task's node: a sent task's by its place among its checkpoint's sends (``sends``,
+    ``_sends_of``), where they name it; else ``node``, its path's (``node_of``)."""
+    if sent is not None and 0 <= sent < len(sends) and sends[sent]:
+        return sends[sent]
+    return node
 
 
 def shown(value: Any, limit: int = 400) -> str:
@@ -391,17 +399,17 @@ def _combined(stops: Mapping[str, Stop], sends: Sequence[str]) -> tuple[str, str
     checkpoint's sent tasks, which name them (``_sends_of``)."""
     for stop in stops.values():
         if stop.kind == "fail":
-            node = stop.node
-            if stop.sent is not None and stop.sent < len(sends):
-                node = sends[stop.sent] or node
+            node = named(stop.node, stop.sent, sends)
             return "fail", shown(f"node {node} raised {stop.text}", 2000)
     return "wait", ANSWER + "; ".join(stop.text for stop in stops.values())
 
 
 def _sends_of(values: Any) -> tuple[str, ...]:
-    """The nodes a checkpoint's ``Send`` packets (its channel values, decoded) go to."""
+    """The nodes a checkpoint's ``Send`` packets (its channel values, decoded) go to, in
+    order; "" for one that names none."""
     packets = values.get(_SENT) if isinstance(values, dict) else None
-    return tuple(getattr(p, "node", "") for p in packets or ())
+    nodes = (getattr(p, "node", "") for p in packets or ())
+    return tuple(node if isinstance(node, str) else "" for node in nodes)
 
 
 def _forget(exc: BaseException | None) -> None:
