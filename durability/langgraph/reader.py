@@ -6,7 +6,7 @@ pending writes."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 from langchain_core.runnables import RunnableConfig
@@ -189,12 +189,16 @@ def pending_writes(
 def decoded_writes(rows: list, serde: Any) -> list[tuple[str, str, Any]]:
     """Stored writes (task id, index, channel, task path, value) as LangGraph hands them
     back (task id, channel, value), in LangGraph's order."""
-    return [
-        (task_id, channel, codec.decode(canonical.loads(value), serde))
-        for task_id, _idx, channel, _path, value in sorted(
-            rows, key=lambda w: writes_sort_key(w[3], w[0], w[1])
-        )
-    ]
+    return [(task_id, channel, value) for task_id, _, channel, value in _in_order(rows, serde)]
+
+
+def _in_order(rows: Iterable[tuple], serde: Any) -> Iterator[tuple[str, str, str, Any]]:
+    """Stored writes (task id, index, channel, task path, value) in LangGraph's order, as
+    (task id, task path, channel, value decoded)."""
+    for task_id, _idx, channel, path, value in sorted(
+        rows, key=lambda w: writes_sort_key(w[3], w[0], w[1])
+    ):
+        yield task_id, path, channel, codec.decode(canonical.loads(value), serde)
 
 
 def task_writes(thread: Thread, lg_id: str, serde: Any) -> list[tuple[str, str, str, Any]]:
@@ -203,9 +207,4 @@ def task_writes(thread: Thread, lg_id: str, serde: Any) -> list[tuple[str, str, 
     rows = PendingWrite.objects.filter(thread=thread, checkpoint_id=lg_id).values_list(
         "task_id", "idx", "channel", "task_path", "value"
     )
-    return [
-        (task_id, path, channel, codec.decode(canonical.loads(value), serde))
-        for task_id, _idx, channel, path, value in sorted(
-            rows, key=lambda w: writes_sort_key(w[3], w[0], w[1])
-        )
-    ]
+    return list(_in_order(rows, serde))
