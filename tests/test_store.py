@@ -236,6 +236,33 @@ def _lines(n: int) -> list[str]:
     return [f"line {i} " + "x" * 2000 for i in range(n)]
 
 
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's compression")
+def test_large_states_patches_results_and_writes_are_compressed_with_lz4(appending):
+    # Each column a step may fill with hundreds of kilobytes (migration 0018 says why).
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT attrelid::regclass::text, attname FROM pg_attribute"
+            " WHERE attcompression = 'l' ORDER BY 1, 2"
+        )
+        assert cur.fetchall() == [
+            ("durability_journalentry", "result"),
+            ("durability_langgraph_pendingwrite", "value"),
+            ("durability_mutation", "ops"),
+            ("durability_snapshot", "state"),
+        ]
+        # What PostgreSQL chose to compress of this run's (its larger values) is LZ4's.
+        for table, column in (("durability_snapshot", "state"), ("durability_mutation", "ops")):
+            cur.execute(
+                f"SELECT DISTINCT pg_column_compression({column}) FROM {table}"
+                f" WHERE run_id = %s AND pg_column_compression({column}) IS NOT NULL",
+                [appending.id],
+            )
+            assert cur.fetchall() == [("lz4",)], table
+    # Read back and proven whole, as any state.
+    assert operations.state_at(appending.id) == {"lines": _lines(8)}
+    assert verify_run(appending.id).ok
+
+
 def test_a_run_state_is_its_nearest_snapshot_and_the_patches_numbered_after_it(appending):
     head, rows = store().head_chain(appending.id)
     cp = Checkpoint.objects.get(run=appending, seq=appending.head_seq)
