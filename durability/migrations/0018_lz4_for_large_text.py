@@ -1,8 +1,8 @@
 """LZ4 rather than PostgreSQL's default (pglz) for the columns a step writes that can be large:
 snapshots, patches and recorded call results. PostgreSQL compresses every value over about
-2 KB as it stores it; pglz spends several milliseconds on a few hundred kilobytes, most of it
-wasted on what hardly compresses (model output, base64), where LZ4 takes a fraction of that
-at about the same size on JSON. Values already stored stay as they are; both read alike.
+2 KB as it stores it: on 350 KB of JSON, pglz took 4.7 to 6.0 ms and LZ4 1.2 to 2.5 ms, to
+about the same size; on what does not compress (base64, encoded media) pglz spends its time
+and stores the value as it was. Values already stored stay as they are; both read alike.
 
 PostgreSQL 14 and later, built with LZ4 (as the distributions' packages are); elsewhere the
 columns keep the default and a warning says so. SQLite: nothing to do."""
