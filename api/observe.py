@@ -12,7 +12,7 @@ from ninja import Query, Router
 from api import common
 from api.runs import READ
 from api.schemas import CallPage, EffectPage, EventPage, SloOut, SloPerAgentOut
-from durability import events, operations, slo
+from durability import events, operations, shapes, slo
 from durability.models import Effect, Event, JournalEntry
 from durability.redact import redact
 
@@ -87,28 +87,7 @@ def effects(
     outcome (secrets redacted); an effect in doubt is resolved by its ``id``."""
     common.reader(request)
     run = operations.get_run(run_id[:64])
-
-    def shape(e: Effect) -> dict:
-        return {
-            "id": e.id,
-            "key": e.key,
-            "occurrence": e.occurrence,
-            "step": e.step,
-            "function": e.function,
-            "label": e.label,
-            "status": e.status,
-            "idempotency_key": e.idempotency_key,
-            "args": _data(e.args),
-            "result": _data(e.result),
-            "error": e.error,
-            "attempts": e.attempts,
-            "idempotent": e.idempotent,
-            "resolved_by": e.resolved_by,
-            "created_at": e.created_at,
-            "completed_at": e.completed_at,
-        }
-
-    return _page(Effect.objects.filter(run=run), cursor, limit, shape)
+    return _page(Effect.objects.filter(run=run), cursor, limit, shapes.effect)
 
 
 @router.get("/runs/{run_id}/calls", response={200: CallPage, **READ}, summary="Calls")

@@ -406,6 +406,11 @@ class EffectRowOut(Schema):
     result: JSON
     error: str
     attempts: int
+    duplicates_prevented: int = Field(
+        ...,
+        description="times a re-run reached the effect, found it done and returned its"
+        " recorded outcome instead of performing it again",
+    )
     idempotent: bool
     resolved_by: str
     created_at: datetime

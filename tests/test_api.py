@@ -6,12 +6,14 @@ product itself."""
 
 from __future__ import annotations
 
+import io
 import json
 import uuid
 from datetime import timedelta
 
 import pytest
 import requests
+from django.core.management import call_command
 from django.utils import timezone
 
 from api.models import ApiToken
@@ -510,3 +512,32 @@ def test_management_command_creates_lists_and_revokes(capsys):
     call_command("apitokens", "revoke", "cleo", str(token.id))
     token.refresh_from_db()
     assert token.state() == "revoked"
+
+
+def test_show_json_speaks_the_apis_names_with_the_same_values(viewer_api):
+    """A script may read a run from the API or from ``durability show --json``: the same
+    names, the same values, the same time format; show adds what it prints beside them."""
+    run = waiting_run("Same names?")
+    out = io.StringIO()
+    call_command("durability", "show", str(run.id), "--json", stdout=out)
+    shown = json.loads(out.getvalue())
+
+    detail = viewer_api.get(f"/runs/{run.id}").json()
+    assert detail["waiting_for"] == "approval" and detail["pending_approvals"]
+    assert {k: shown[k] for k in detail} == detail
+    assert "wait" not in shown and "parent" not in shown  # the names show used to have
+
+    checkpoints = viewer_api.get(f"/runs/{run.id}/checkpoints").json()["items"]
+    assert len(checkpoints) == 3
+    assert [{k: c[k] for k in checkpoints[0]} for c in shown["checkpoints"]] == checkpoints
+    assert all("superstep" in c for c in shown["checkpoints"])
+
+    approvals = viewer_api.get("/approvals", params={"run": str(run.id)}).json()["items"]
+    assert [a.pop("may_decide") for a in approvals] == [False]  # a viewer decides nothing
+    assert [{k: a[k] for k in approvals[0]} for a in shown["approvals"]] == approvals
+    assert [a["on_current_branch"] for a in shown["approvals"]] == [True]
+
+    effects = viewer_api.get(f"/runs/{run.id}/effects").json()["items"]
+    assert len(effects) == 1 and effects[0]["duplicates_prevented"] == 0
+    assert shown["effects"] == effects
+    assert shown["calls"] == 1 and shown["state"] is not None

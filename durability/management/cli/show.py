@@ -7,10 +7,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from django.core.serializers.json import DjangoJSONEncoder
+
 from durability import approvals as edits
-from durability import canonical, operations, presence, rollbacks
+from durability import canonical, operations, presence, rollbacks, shapes
 from durability.errors import IntegrityViolation
-from durability.langgraph import cli as lg_cli
 from durability.langgraph import workersteps
 from durability.langgraph.describe import is_graph_checkpoint, registered_graph
 from durability.models import (
@@ -22,6 +23,7 @@ from durability.models import (
     Run,
     RunStatus,
 )
+from durability.redact import redact
 from durability.store.lg_sql import AGENT_VERSION
 
 Say = Callable[[str], None]
@@ -30,12 +32,12 @@ Say = Callable[[str], None]
 def show(say: Say, ref: Any, *, as_json: bool) -> None:
     run = operations.get_run(ref)
     cps = list(Checkpoint.objects.filter(run=run).order_by("seq"))
-    approvals = list(Approval.objects.filter(run=run).order_by("id"))
+    approvals = list(Approval.objects.filter(run=run).select_related("run").order_by("id"))
     effects = list(Effect.objects.filter(run=run).order_by("id"))
     events = list(Event.objects.filter(run=run).order_by("-id")[:20])
     branch = _branch(run, cps)
     if as_json:
-        say(json.dumps(_as_json(run, cps, approvals, effects, branch), indent=2, default=str))
+        say(_dumps(_as_json(run, cps, approvals, effects, branch)))
         return
     _header(say, run)
     _checkpoints(say, cps, _worker_steps(run, cps))
@@ -63,45 +65,27 @@ def _branch(run: Run, cps: list[Checkpoint]) -> set[int]:
 def _as_json(
     run: Run, cps: list, approvals: list, effects: list, branch: set[int]
 ) -> dict[str, Any]:
+    """The API's run (``GET /api/v1/runs/{id}``, the same names and meanings:
+    ``durability.shapes``) with what the text shows beside it: the head state, every
+    checkpoint, approval and effect, the count of journaled calls, the run's tree."""
     seqs, steps = _parent_seqs(cps), _worker_steps(run, cps)
     try:
-        state, state_error = operations.state_at(run), None
+        state, state_error = redact(operations.state_at(run))[0], None
     except IntegrityViolation as exc:
         # Shown as the text is: the run and its history, with why its state is not (verify
         # says which checkpoint).
         state, state_error = None, str(exc)
     return {
-        "id": str(run.id),
-        "agent": run.agent,
-        "agent_version": run.agent_version,
-        "status": run.status,
-        # How it ended, as the agent named it (a run that succeeded; else empty).
-        "outcome": run.outcome if run.status == RunStatus.SUCCEEDED else "",
-        "version": run.lease_token,
-        "durability": run.durability,
-        "legal_hold": run.legal_hold,
-        "wait": {"reason": run.wait_reason, "detail": run.wait_detail},
-        "step": run.step,
-        "head": run.head_seq,
-        "error": run.error,
-        "input": canonical.loads(run.input),
+        **shapes.run_detail(run),
         "state": state,
         "state_error": state_error,
         "checkpoints": [_checkpoint_json(c, seqs, steps.get(c.seq)) for c in cps],
         "approvals": [_approval_json(a, branch) for a in approvals],
-        "effects": [_effect_json(e) for e in effects],
+        "effects": [shapes.effect(e) for e in effects],
         "calls": JournalEntry.objects.filter(run=run).count(),
-        "parent": str(run.parent_run_id) if run.parent_run_id else None,
-        "forked_from": (
-            {"run": str(run.forked_from_id), "seq": run.forked_from_seq}
-            if run.forked_from_id
-            else None
-        ),
         # What-if: effects recorded as would have run (live: performed), children alike.
         "what_if": {"live": run.what_if_live} if run.what_if else None,
         "tree": operations.tree(run),
-        # A LangGraph graph executed in its own process: its thread and supersteps (else null).
-        "langgraph": lg_cli.as_json(run),
     }
 
 
@@ -109,16 +93,7 @@ def _checkpoint_json(
     c: Checkpoint, seqs: dict[int, int], step: workersteps.Ran | None
 ) -> dict[str, Any]:
     return {
-        "seq": c.seq,
-        # The parent's number, as the API says it (a fork's first: in the run it came from).
-        "parent": seqs.get(c.parent_id) if c.parent_id else None,
-        "reason": c.reason,
-        "step": c.step,
-        "next_step": c.next_step,
-        "size": c.size,
-        "delta_size": c.delta_size,
-        "state_hash": c.state_hash,
-        "created_at": c.created_at.isoformat(),
+        **shapes.checkpoint(c, seqs),
         # A graph the workers execute: the superstep this checkpoint is (else null).
         "superstep": (
             {"step": step.step, "nodes": step.nodes, "wrote": step.channels, "routes": step.routes}
@@ -130,30 +105,26 @@ def _checkpoint_json(
 
 def _approval_json(a: Approval, branch: set[int]) -> dict[str, Any]:
     return {
-        "id": a.pk,
-        "name": a.name,
-        "status": a.status,
+        **shapes.approval(a),
         # False: asked on a branch a rollback abandoned; its decision decides nothing now.
         "on_current_branch": a.base_id in branch,
-        "payload": canonical.loads(a.payload),
-        # What was decided when it differs from what was asked (else null), and the
-        # difference field by field.
-        "edited_payload": (canonical.loads(a.edited_payload) if a.edited_payload else None),
+        # What was decided, where it differs from what was asked, field by field.
         "changes": edits.stored_changes(a),
-        "decided_by": a.decided_by,
-        "comment": a.comment,
     }
 
 
-def _effect_json(e: Effect) -> dict[str, Any]:
-    return {
-        "id": e.pk,
-        "key": e.key,
-        "status": e.status,
-        "idempotency_key": e.idempotency_key,
-        "attempts": e.attempts,
-        "duplicates_prevented": e.duplicates_prevented,
-    }
+class _Encoder(DjangoJSONEncoder):
+    """The API's renderer's: datetimes in RFC 3339 to the millisecond, UTC as ``Z``."""
+
+    def default(self, o: Any) -> Any:
+        try:
+            return super().default(o)
+        except TypeError:
+            return str(o)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, cls=_Encoder)
 
 
 # --- text ------------------------------------------------------------------------------------
