@@ -514,9 +514,10 @@ def test_management_command_creates_lists_and_revokes(capsys):
     assert token.state() == "revoked"
 
 
-def test_show_json_speaks_the_apis_names_with_the_same_values(viewer_api):
-    """A script may read a run from the API or from ``durability show --json``: the same
-    names, the same values, the same time format; show adds what it prints beside them."""
+def test_show_and_list_json_speak_the_apis_names_with_the_same_values(viewer_api):
+    """A script may read a run from the API or from ``durability show --json`` (and ``list
+    --json``): the same names, the same values, the same time format; show adds what it
+    prints beside them."""
     run = waiting_run("Same names?")
     out = io.StringIO()
     call_command("durability", "show", str(run.id), "--json", stdout=out)
@@ -541,3 +542,9 @@ def test_show_json_speaks_the_apis_names_with_the_same_values(viewer_api):
     assert len(effects) == 1 and effects[0]["duplicates_prevented"] == 0
     assert shown["effects"] == effects
     assert shown["calls"] == 1 and shown["state"] is not None
+
+    out = io.StringIO()
+    call_command("durability", "list", "--json", "--limit", "1", stdout=out)
+    listed = json.loads(out.getvalue())["items"]
+    assert listed == viewer_api.get("/runs", params={"limit": 1}).json()["items"]
+    assert [r["id"] for r in listed] == [str(run.id)]

@@ -96,6 +96,9 @@ def _runs(sub: Any) -> None:
     p.add_argument("--status", choices=[s.value for s in RunStatus])
     p.add_argument("--agent", help="an agent name, or name@version as the list shows it")
     p.add_argument("--limit", type=_at_least(1), default=30, help="at most this many runs (30)")
+    p.add_argument(
+        "--json", action="store_true", help="machine-readable: the API's list of runs, its names"
+    )
 
     p = sub.add_parser("show", help="show a run: header, checkpoints, approvals, effects, events")
     p.add_argument("run")

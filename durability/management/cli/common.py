@@ -1,4 +1,5 @@
-"""What the CLI's subcommands share: exit codes, reading JSON arguments, ages."""
+"""What the CLI's subcommands share: exit codes, reading JSON arguments and writing JSON,
+ages."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from datetime import datetime
 from typing import Any
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.utils import timezone
 
 from durability import rollbacks
@@ -24,6 +26,21 @@ def json_arg(text: str, what: str) -> Any:
         # The parser recurses once per level: past Python's limit it would otherwise end
         # the command with a traceback.
         raise StateNotJSON(f"{what} is nested too deeply to be read as JSON") from None
+
+
+class _Encoder(DjangoJSONEncoder):
+    """The API's renderer's: datetimes in RFC 3339 to the millisecond, UTC as ``Z``."""
+
+    def default(self, o: Any) -> Any:
+        try:
+            return super().default(o)
+        except TypeError:
+            return str(o)
+
+
+def json_text(value: Any) -> str:
+    """``value`` as ``--json`` prints it: indented, with the API's time format."""
+    return json.dumps(value, indent=2, cls=_Encoder)
 
 
 def effect_decisions(plan: Any, given: list[str]) -> dict[int, str]:

@@ -3,17 +3,15 @@ recent events, as text for a person or as JSON (with the head state) for a progr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
-
-from django.core.serializers.json import DjangoJSONEncoder
 
 from durability import approvals as edits
 from durability import canonical, operations, presence, rollbacks, shapes
 from durability.errors import IntegrityViolation
 from durability.langgraph import workersteps
 from durability.langgraph.describe import is_graph_checkpoint, registered_graph
+from durability.management.cli.common import json_text
 from durability.models import (
     Approval,
     Checkpoint,
@@ -37,7 +35,7 @@ def show(say: Say, ref: Any, *, as_json: bool) -> None:
     events = list(Event.objects.filter(run=run).order_by("-id")[:20])
     branch = _branch(run, cps)
     if as_json:
-        say(_dumps(_as_json(run, cps, approvals, effects, branch)))
+        say(json_text(_as_json(run, cps, approvals, effects, branch)))
         return
     _header(say, run)
     _checkpoints(say, cps, _worker_steps(run, cps))
@@ -111,20 +109,6 @@ def _approval_json(a: Approval, branch: set[int]) -> dict[str, Any]:
         # What was decided, where it differs from what was asked, field by field.
         "changes": edits.stored_changes(a),
     }
-
-
-class _Encoder(DjangoJSONEncoder):
-    """The API's renderer's: datetimes in RFC 3339 to the millisecond, UTC as ``Z``."""
-
-    def default(self, o: Any) -> Any:
-        try:
-            return super().default(o)
-        except TypeError:
-            return str(o)
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, cls=_Encoder)
 
 
 # --- text ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, InterfaceError, OperationalError
 
-from durability import dispatch, operations, rollbacks, telemetry
+from durability import dispatch, operations, rollbacks, shapes, telemetry
 from durability.agents import registry
 from durability.errors import (
     DatabaseUnavailable,
@@ -39,6 +39,7 @@ from durability.management.cli.common import (
     age,
     effect_decisions,
     json_arg,
+    json_text,
 )
 from durability.management.cli.show import show
 from durability.models import FINISHED, Effect, EffectStatus, Run, RunStatus, WaitReason
@@ -189,6 +190,9 @@ class Command(BaseCommand):
             name, at, version = opts["agent"].partition("@")
             runs = runs.filter(agent=name, **({"agent_version": version} if at else {}))
         rows = list(runs.order_by("-created_at")[: opts["limit"]])
+        if opts["json"]:  # as GET /api/v1/runs pages them
+            self.say(json_text({"items": [shapes.run(run) for run in rows]}))
+            return
         if not rows and (opts["status"] or opts["agent"]):
             given = ", ".join(f"{key} {opts[key]}" for key in ("agent", "status") if opts[key])
             self.say(
