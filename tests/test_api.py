@@ -31,7 +31,7 @@ from tests.api_helpers import (
     user_with,
     verdict_agent,
 )
-from tests.dashboard_helpers import counts, dash_agents, waiting_run
+from tests.dashboard_helpers import counts, dash_agents, finished_run, waiting_run
 
 # The smoke subset too: the API makes the same promises on the embedded default (SQLite).
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.smoke]
@@ -537,6 +537,7 @@ def test_show_and_list_json_speak_the_apis_names_with_the_same_values(viewer_api
     assert [a.pop("may_decide") for a in approvals] == [False]  # a viewer decides nothing
     assert [{k: a[k] for k in approvals[0]} for a in shown["approvals"]] == approvals
     assert [a["on_current_branch"] for a in shown["approvals"]] == [True]
+    assert not any("may_decide" in a for a in shown["approvals"])  # who asks: the API's
 
     effects = viewer_api.get(f"/runs/{run.id}/effects").json()["items"]
     assert len(effects) == 1 and effects[0]["duplicates_prevented"] == 0
@@ -548,3 +549,14 @@ def test_show_and_list_json_speak_the_apis_names_with_the_same_values(viewer_api
     listed = json.loads(out.getvalue())["items"]
     assert listed == viewer_api.get("/runs", params={"limit": 1}).json()["items"]
     assert [r["id"] for r in listed] == [str(run.id)]
+
+    # Decided: when, by whom, with what comment.
+    done = finished_run("Decided names?")
+    out = io.StringIO()
+    call_command("durability", "show", str(done.id), "--json", stdout=out)
+    shown = json.loads(out.getvalue())
+    params = {"run": str(done.id), "status": "approved"}
+    approvals = viewer_api.get("/approvals", params=params).json()["items"]
+    assert [a.pop("may_decide") for a in approvals] == [False]
+    assert approvals[0]["decided_by"] == "seed" and approvals[0]["decided_at"]
+    assert [{k: a[k] for k in approvals[0]} for a in shown["approvals"]] == approvals
