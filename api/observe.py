@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import orjson
 from django.http import HttpRequest
 from ninja import Query, Router
 
@@ -14,20 +13,9 @@ from api.runs import READ
 from api.schemas import CallPage, EffectPage, EventPage, SloOut, SloPerAgentOut
 from durability import events, operations, shapes, slo
 from durability.models import Effect, Event, JournalEntry
-from durability.redact import redact
 
 router = Router(tags=["observe"])
 Window = Literal["1h", "24h", "7d"]
-
-
-def _data(text: str):
-    if not text:
-        return None
-    try:
-        value, _ = redact(orjson.loads(text))
-    except orjson.JSONDecodeError:
-        return text
-    return value
 
 
 @router.get("/runs/{run_id}/timeline", response={200: EventPage, **READ}, summary="Timeline")
@@ -56,7 +44,7 @@ def timeline(
             "actor": e.actor,
             "reason": e.reason,
             "worker": e.worker,
-            "data": _data(e.data),
+            "data": shapes.document(e.data),
             "created_at": e.created_at,
         }
         for e in page
@@ -110,7 +98,7 @@ def calls(
             "kind": j.kind,
             "step": j.step,
             "function": j.function,
-            "result": _data(j.result),
+            "result": shapes.document(j.result),
             "duration_ms": j.duration_ms,
             "replays": replays[j.id],
             "reused_from": j.reused_from,
